@@ -1,0 +1,193 @@
+"""One episode of the Memex agent (memex.md; paper section 4.5, "the Memex agent loop").
+
+    policy reply -> parse one tool call -> CompressExperience / ReadExperience (memory)
+                                        -> execute_action (env) / finish
+                 -> observation + context status -> next reply
+
+`Episode` is a small state machine so that a runner can drive many episodes at once: it
+hands out the token ids to condition on (`request_ids`), takes the engine's completion
+(`on_completion`), returns the env action to run if any, and takes the env's answer
+(`on_env_result`). The episode ends at `finish`, at the env's end, at the step limit, when
+the context window is full, when a scripted policy runs out, or when its env worker crashed
+(then the episode is reported as failed with the reason, never dropped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from memexrl.config import Config
+from memexrl.memory.context import ChatRenderer, WorkingContext
+from memexrl.memory.parsing import (
+    COMPRESS,
+    EXECUTE_ACTION,
+    FINISH,
+    NO_CALL_MESSAGE,
+    READ,
+    parse_tool_call,
+)
+from memexrl.memory.prompts import system_prompt, task_message
+from memexrl.memory.store import ExperienceStore
+from memexrl.memory.tools import run_compress, run_read
+from memexrl.trajectory import Step, Trajectory
+from rewards import score_trajectory
+
+MEMEX_TOOLS = (EXECUTE_ACTION, COMPRESS, READ, FINISH)
+FINISHED_MESSAGE = "Episode finished."
+
+
+class EnvAnswer(Protocol):
+    """What an env (pool) returns for a reset or a step (envs.pool.EnvResult)."""
+
+    episode_id: str
+    obs: str
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict
+    crashed: bool
+    error: str | None
+
+
+@dataclass
+class Completion:
+    """One assistant turn from an engine: the text, the sampled ids and their log-probs."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str = "stop"  # stop | length | exhausted (a scripted policy ran out)
+
+
+class Episode:
+    """The agent loop of one episode, driven turn by turn by a runner."""
+
+    def __init__(
+        self,
+        episode_id: str,
+        game: str,
+        renderer: ChatRenderer,
+        store: ExperienceStore,
+        cfg: Config,
+        tools: tuple[str, ...] = MEMEX_TOOLS,
+    ):
+        self.id = episode_id
+        self.renderer = renderer
+        self.store = store
+        self.cfg = cfg
+        self.tools = tools
+        self.traj = Trajectory(game=game, task_type="", goal="")
+        self.context: WorkingContext | None = None
+        self.done = False
+        self._pending: Step | None = None  # the turn waiting for the env's answer
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def start(self, answer: EnvAnswer) -> None:
+        """Build [system, task] from the env's reset answer."""
+        if answer.crashed:
+            self._end("env_crash", error=answer.error)
+            return
+        info = answer.info
+        self.traj.task_type = info.get("task_type", "")
+        self.traj.goal = info.get("goal", "")
+        system = system_prompt(self.tools, self.cfg.memory.threshold, not self.renderer.template_has_tools)
+        self.context = WorkingContext(
+            self.renderer, system, task_message(answer.obs), self.cfg.memory.threshold, self.cfg.memory.warn_ratio
+        )
+
+    def request_ids(self) -> list[int]:
+        assert self.context is not None
+        return self.context.token_ids()
+
+    def max_new_tokens(self) -> int:
+        room = self.cfg.rollout.max_context_tokens - len(self.request_ids())
+        return max(0, min(self.cfg.rollout.max_new_tokens, room))
+
+    def on_completion(self, completion: Completion) -> str | None:
+        """Take one assistant turn; return the env action to execute, or None if handled here."""
+        assert self.context is not None and not self.done
+        if completion.finish_reason == "exhausted":
+            self._end("script_exhausted")
+            return None
+        step = len(self.traj.steps)
+        self.context.add_assistant(completion.text, completion.token_ids, completion.logprobs, step)
+        parsed = parse_tool_call(completion.text, self.tools)
+        record = Step(
+            assistant=completion.text,
+            tool=parsed.name,
+            arguments=parsed.arguments,
+            format_error=parsed.format_error,
+            error=parsed.error,
+            observation="",
+            working_tokens=0,
+        )
+        if parsed.kind == "malformed":
+            return self._observe(record, parsed.error or "Format error.")
+        if parsed.kind == "none":
+            return self._observe(record, NO_CALL_MESSAGE)
+        args = parsed.arguments or {}
+        if parsed.name == EXECUTE_ACTION:
+            self._pending = record
+            return args["action"].strip()
+        if parsed.name == FINISH:
+            return self._observe(record, FINISHED_MESSAGE, end="finish")
+        if parsed.name == READ:
+            outcome = run_read(args, self.store, self.cfg.memory.fallback_top_k if self.cfg.memory.semantic_fallback else 0)
+            record.error = outcome.error
+            return self._observe(record, outcome.observation)
+        outcome = run_compress(
+            args, self.context, self.store, step, self.cfg.memory.summary_max_tokens, self.cfg.memory.summary_cap_mode
+        )
+        record.error = outcome.error
+        if not outcome.compressed:
+            return self._observe(record, outcome.observation)
+        record.compressed = True
+        record.observation = outcome.observation
+        record.working_tokens = self.context.working_tokens
+        return self._record(record)
+
+    def on_env_result(self, answer: EnvAnswer) -> None:
+        """Take the env's answer to the pending execute_action."""
+        assert self._pending is not None
+        record, self._pending = self._pending, None
+        if answer.crashed:
+            record.error = answer.error
+            record.observation = f"Environment error: {answer.error}"
+            self.traj.steps.append(record)
+            self._end("env_crash", error=answer.error)
+            return
+        record.state_changing = bool(answer.info.get("state_changing", False))
+        won = bool(answer.info.get("won", False)) or answer.terminated
+        self.traj.success = self.traj.success or won
+        end = "env_done" if (answer.terminated or answer.truncated) else None
+        self._observe(record, answer.obs.strip(), end=end)
+
+    # --- internals ----------------------------------------------------------------------------
+    def _observe(self, record: Step, body: str, end: str | None = None) -> None:
+        assert self.context is not None
+        record.observation, record.working_tokens = self.context.add_observation(body, self.store.indices())
+        self._record(record, end)
+        return None
+
+    def _record(self, record: Step, end: str | None = None) -> None:
+        self.traj.steps.append(record)
+        if end is not None:
+            self._end(end)
+        elif len(self.traj.steps) >= self.cfg.env.max_steps:
+            self._end("step_limit")
+        elif self.max_new_tokens() == 0:
+            self._end("context_limit")
+        return None
+
+    def _end(self, reason: str, error: str | None = None) -> None:
+        self.done = True
+        self.traj.end_reason = reason
+        if error:
+            self.traj.error = error
+            self.traj.success = False
+        if self.context is not None:
+            self.traj.segments = self.context.segments
+        self.traj.experience = self.store.as_dict()
+        r = self.cfg.reward
+        score_trajectory(self.traj, self.cfg.memory.threshold, r.lambda_ctx, r.lambda_red, r.lambda_fmt)

@@ -1,0 +1,147 @@
+"""`memexrl ...`: the command line (design.md "CLI").
+
+Exit code 0 on success, 2 on bad input: user errors (`MemexError`) are printed on one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from memexrl.errors import MemexError
+
+log = logging.getLogger("memexrl")
+
+
+# --- data ---------------------------------------------------------------------------------------
+def cmd_data(args: argparse.Namespace) -> None:
+    from envs.data import prepare_alfworld
+
+    root = prepare_alfworld(args.dest, args.archive)
+    print(f"ALFWorld data ready. Use: export ALFWORLD_DATA={root}")
+
+
+# --- replay -------------------------------------------------------------------------------------
+def read_script(path: str | Path) -> list[str]:
+    """A replay script: JSONL, one {"assistant": "<raw text>"} per turn."""
+    p = Path(path)
+    if not p.is_file():
+        raise MemexError(f"script not found: {p}; pass a JSONL file with one {{\"assistant\": ...}} per line")
+    turns = []
+    for n, line in enumerate(p.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise MemexError(f"{p} line {n}: not valid JSON ({exc.msg}); each line must be {{\"assistant\": \"...\"}}") from None
+        if not isinstance(item, dict) or not isinstance(item.get("assistant"), str):
+            raise MemexError(f"{p} line {n}: expected an object with a string field \"assistant\"")
+        turns.append(item["assistant"])
+    return turns
+
+
+def replay(game: str, turns: list[str], cfg, tokenizer) -> dict:
+    """Play one episode with a scripted policy; return the trajectory JSON (with token ids)."""
+    from envs.inline import InlineEnvs
+    from rollout.engines import ScriptedEngine
+    from rollout.runner import make_renderer, run_episodes
+
+    engine = ScriptedEngine(tokenizer, {"replay": turns})
+    with InlineEnvs(env_kwargs_from(cfg)) as envs:
+        (traj,) = run_episodes([("replay", game)], engine, envs, make_renderer(tokenizer, cfg), cfg)
+    return traj.to_json()
+
+
+def env_kwargs_from(cfg) -> dict:
+    e = cfg.env
+    return {
+        "hide_admissible": e.hide_admissible,
+        "hide_initial_room": e.hide_initial_room,
+        "look_once": e.look_once,
+        "demangle": e.demangle,
+        "seed": e.seed,
+    }
+
+
+def cmd_replay(args: argparse.Namespace) -> None:
+    from envs.data import resolve_game
+    from memexrl.config import load_config
+    from memexrl.models import load_tokenizer
+
+    if args.env != "alfworld":
+        raise MemexError(f"unknown env {args.env!r}; available: alfworld")
+    cfg = load_config(args.config, args.overrides)
+    game = resolve_game(args.game, cfg.env.data_dir)
+    turns = read_script(args.script)
+    out = replay(str(game), turns, cfg, load_tokenizer(cfg.model))
+    text = json.dumps(out, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+        log.info("trajectory written to %s", args.out)
+    else:
+        print(text)
+
+
+# --- bench --------------------------------------------------------------------------------------
+def cmd_bench(args: argparse.Namespace) -> None:
+    from eval import bench
+
+    print(bench.run(args.what, args))
+
+
+# --- parser -------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memexrl", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    data = sub.add_parser("data", help="prepare data sets")
+    data_sub = data.add_subparsers(dest="dataset", required=True)
+    alf = data_sub.add_parser("alfworld", help="unpack (or download) the ALFWorld games")
+    alf.add_argument("--dest", default="data/alfworld", help="where to put the data (default: data/alfworld)")
+    alf.add_argument("--archive", default=None, help="archive to unpack (default: $ALFWORLD_ARCHIVE, else download)")
+    alf.set_defaults(func=cmd_data)
+
+    rep = sub.add_parser("replay", help="run one episode with a scripted policy, print its trajectory JSON")
+    rep.add_argument("--env", default="alfworld", help="environment (alfworld)")
+    rep.add_argument("--game", required=True, help="game dir, game.tw-pddl path, or SPLIT:INDEX")
+    rep.add_argument("--script", required=True, help='JSONL, one {"assistant": "<raw text>"} per turn')
+    rep.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
+    rep.add_argument("--out", default=None, help="write the trajectory JSON here instead of stdout")
+    rep.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
+    rep.set_defaults(func=cmd_replay)
+
+    ben = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
+    ben.add_argument("what", choices=["env", "store", "rollout"], help="what to measure")
+    ben.add_argument("--split", default="valid_seen", help="games for env/rollout benches")
+    ben.add_argument("--games", type=int, default=4, help="games for env/rollout benches")
+    ben.add_argument("--steps", type=int, default=200, help="env steps per worker count (bench env)")
+    ben.add_argument("--blocks", type=int, default=2000, help="blocks written (bench store)")
+    ben.add_argument("--config", default=None, help="YAML config (bench rollout)")
+    ben.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        args.func(args)
+    except MemexError as exc:
+        print(f"memexrl: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("memexrl: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

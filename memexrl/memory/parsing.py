@@ -1,0 +1,188 @@
+"""Model output -> one tool call: a pure function, as verl-agent parses text to actions.
+
+Contract (design.md "Model output format"): one Qwen-style call per assistant turn,
+optionally after free text or thinking:
+    <tool_call>{"name": NAME, "arguments": {...}}</tool_call>
+A malformed call (unclosed tag, JSON that does not parse, missing name, unknown tool,
+missing or ill-typed required argument, two calls) is a *format error* (memex.md, P_format):
+the observation says exactly what was wrong. A reply with no call at all is not a format
+error; the agent is asked for one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+OPEN_TAG = "<tool_call>"
+CLOSE_TAG = "</tool_call>"
+_THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
+
+EXECUTE_ACTION = "execute_action"
+COMPRESS = "CompressExperience"
+READ = "ReadExperience"
+FINISH = "finish"
+MEMORY_TOOLS = (COMPRESS, READ)
+
+# name -> {argument: (required, accepted python types)}; the JSON schemas below say the same for the prompt.
+_ARGUMENTS: dict[str, dict[str, tuple[bool, tuple[type, ...]]]] = {
+    EXECUTE_ACTION: {"action": (True, (str,))},
+    COMPRESS: {"summary": (True, (str,)), "db_blocks": (True, (list, str))},
+    READ: {"db_index": (True, (str,))},
+    FINISH: {"success": (False, (bool,))},
+}
+
+TOOL_SCHEMAS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": EXECUTE_ACTION,
+            "description": "Run one ALFWorld command (for example 'take apple 2 from fridge 1'). "
+            "Object and receptacle names must be exact, as they appeared in observations.",
+            "parameters": {
+                "type": "object",
+                "properties": {"action": {"type": "string", "description": "The command."}},
+                "required": ["action"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": COMPRESS,
+            "description": "Replace your working context with an indexed summary and archive exact evidence "
+            "in the experience store under stable indices. Each block is either explicit "
+            "{db_index, db_content} or anchored {db_index, start_anchor, mid_anchor, end_anchor}: the system "
+            "copies verbatim the span of your current context from start_anchor to end_anchor that contains "
+            "mid_anchor (an optional db_content with {{EXTRACT}} marks where the span goes).",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "summary": {
+                        "type": "string",
+                        "description": "Progress so far and an index map: one line per index saying what it holds.",
+                    },
+                    "db_blocks": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {
+                                "db_index": {"type": "string", "description": "1-64 chars of [A-Za-z0-9_-]."},
+                                "db_content": {"type": "string"},
+                                "start_anchor": {"type": "string"},
+                                "mid_anchor": {"type": "string"},
+                                "end_anchor": {"type": "string"},
+                            },
+                            "required": ["db_index"],
+                        },
+                    },
+                },
+                "required": ["summary", "db_blocks"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": READ,
+            "description": "Bring an archived block back into your context by its index.",
+            "parameters": {
+                "type": "object",
+                "properties": {"db_index": {"type": "string"}},
+                "required": ["db_index"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": FINISH,
+            "description": "End the episode (the task is done or cannot be done).",
+            "parameters": {"type": "object", "properties": {"success": {"type": "boolean"}}, "required": []},
+        },
+    },
+]
+
+CALL_EXAMPLE = '<tool_call>{"name": "execute_action", "arguments": {"action": "look"}}</tool_call>'
+NO_CALL_MESSAGE = (
+    "No tool call found. Reply with exactly one tool call, for example: " + CALL_EXAMPLE
+)
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """The outcome of parsing one assistant reply.
+
+    kind: "call" (a well-formed call), "none" (no call attempted) or "malformed".
+    """
+
+    kind: str
+    name: str | None = None
+    arguments: dict[str, Any] | None = None
+    error: str | None = None
+
+    @property
+    def format_error(self) -> bool:
+        return self.kind == "malformed"
+
+
+def _malformed(message: str) -> ParsedCall:
+    return ParsedCall(kind="malformed", error=f"Format error: {message}. Use exactly: {CALL_EXAMPLE}")
+
+
+def parse_tool_call(text: str, tools: tuple[str, ...] | None = None) -> ParsedCall:
+    """Parse one assistant reply into a tool call.
+
+    `tools` restricts the accepted tool names (e.g. baselines without memory tools);
+    None accepts all four. Thinking blocks (<think>...</think>) are ignored.
+    """
+    allowed = tuple(_ARGUMENTS) if tools is None else tools
+    visible = _THINK_RE.sub("", text)
+    n_open = visible.count(OPEN_TAG)
+    n_close = visible.count(CLOSE_TAG)
+    if n_open == 0:
+        if n_close:
+            return _malformed(f"found {CLOSE_TAG} without an opening {OPEN_TAG}")
+        return ParsedCall(kind="none")
+    if n_open > 1:
+        return _malformed(f"found {n_open} tool calls; make exactly one call per turn")
+    start = visible.index(OPEN_TAG) + len(OPEN_TAG)
+    end = visible.find(CLOSE_TAG, start)
+    if end < 0:
+        return _malformed(f"unclosed {OPEN_TAG} tag (add {CLOSE_TAG})")
+    body = visible[start:end].strip()
+    try:
+        call = json.loads(body)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        return _malformed(f"the call is not valid JSON ({getattr(exc, 'msg', 'too deeply nested')})")
+    if not isinstance(call, dict):
+        return _malformed("the call must be a JSON object with 'name' and 'arguments'")
+    name = call.get("name")
+    if not isinstance(name, str) or not name:
+        return _malformed("the call has no 'name'")
+    if name not in allowed:
+        return _malformed(f"unknown tool {name!r}; available tools: {', '.join(allowed)}")
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):  # some models emit arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return _malformed(f"the arguments of {name} are not a JSON object")
+    if not isinstance(arguments, dict):
+        return _malformed(f"the arguments of {name} must be a JSON object")
+    for arg, (required, types) in _ARGUMENTS[name].items():
+        if arg not in arguments:
+            if required:
+                return _malformed(f"{name} is missing the required argument '{arg}'")
+            continue
+        if not isinstance(arguments[arg], types):
+            kind = " or ".join(t.__name__ for t in types)
+            return _malformed(f"argument '{arg}' of {name} must be of type {kind}")
+    return ParsedCall(kind="call", name=name, arguments=arguments)
+
+
+def canonical_call(name: str, arguments: dict[str, Any]) -> str:
+    """(tool name, arguments with sorted keys): the identity used by the redundancy penalty."""
+    return name + ":" + json.dumps(arguments, sort_keys=True, ensure_ascii=False)

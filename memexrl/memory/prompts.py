@@ -1,0 +1,62 @@
+"""System prompt and task message (memex.md "The tools", "Context status"; paper section 6.2).
+
+Kept compact on purpose: on a 2-core CPU every prompt token is prefilled at the start of
+every segment. Tool schemas go through the chat template's `tools=` when it supports them;
+otherwise `system_prompt(..., schemas_in_text=True)` writes them into the prompt in the
+same JSON form.
+"""
+
+from __future__ import annotations
+
+from memexrl.memory.parsing import COMPRESS, READ, TOOL_SCHEMAS
+
+_BASE = """You are an agent in a household text game. Act only through tool calls: in every reply, \
+think briefly, then make exactly one call in this form:
+<tool_call>{"name": "execute_action", "arguments": {"action": "go to cabinet 1"}}</tool_call>
+Game commands: look, inventory, go to X, open X, close X, take X from Y, move X to Y, examine X, \
+use X, heat X with Y, cool X with Y, clean X with Y, slice X with Y. Object names must be exact \
+(e.g. "apple 2"), as they appear in observations. Start with look: it works only once. \
+Call finish when the task is done."""
+
+_MEMORY = """Memory: your working context is limited; after each observation you see its size. \
+Before it passes the threshold, call CompressExperience: write a short summary (progress, plan and \
+an index map: one line per index saying what it holds) and archive exact evidence in db_blocks, \
+either {{"db_index", "db_content"}} or by anchors {{"db_index", "start_anchor", "mid_anchor", \
+"end_anchor"}} copied from the context. The context is then replaced by your summary. \
+Call ReadExperience with a db_index to get an archived block back instead of exploring again. \
+The working-context threshold is {threshold} tokens."""
+
+
+def tool_schemas(tools: tuple[str, ...]) -> list[dict]:
+    return [s for s in TOOL_SCHEMAS if s["function"]["name"] in tools]
+
+
+def system_prompt(tools: tuple[str, ...], threshold: int, schemas_in_text: bool) -> str:
+    """The system prompt for an agent allowed `tools` (memory instructions only if it has them)."""
+    parts = [_BASE]
+    if COMPRESS in tools or READ in tools:
+        parts.append(_MEMORY.format(threshold=threshold))
+    if schemas_in_text:
+        parts.append("Tools (name, JSON arguments; ? = optional):\n" + "\n".join(map(_signature, tool_schemas(tools))))
+    return "\n\n".join(parts)
+
+
+def _signature(schema: dict) -> str:
+    """One compact line per tool, from its JSON schema: `- name {"arg": type, "opt"?: type}: purpose`."""
+    fn = schema["function"]
+    params = fn["parameters"]
+    required = set(params.get("required", []))
+    args = []
+    for name, spec in params.get("properties", {}).items():
+        kind = spec.get("type", "any")
+        if kind == "array":
+            item = spec.get("items", {}).get("properties", {})
+            kind = "[{" + ", ".join(item) + "}]"
+        args.append(f'"{name}"{"" if name in required else "?"}: {kind}')
+    purpose = fn["description"].split(". ")[0].rstrip(".")
+    return f"- {fn['name']} {{{', '.join(args)}}}: {purpose}."
+
+
+def task_message(observation: str) -> str:
+    """The task message: the env's reset observation (modified ALFWorld: the task only)."""
+    return observation.strip()

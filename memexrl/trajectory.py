@@ -1,0 +1,120 @@
+"""Step, Segment and Trajectory: what one episode leaves behind (design.md "Trajectory JSON").
+
+A trajectory with k successful compressions is split into k + 1 segments (memex.md
+"Training"); each segment is the exact token sequence the policy saw and produced:
+`prompt_ids` ([system, task] or [system, task, summary] with the generation prompt), then
+`completion_ids` (assistant tokens interleaved with observation tokens), a `loss_mask`
+(1 on tokens the engine sampled, 0 elsewhere) and `logprobs` (the engine's log-probs of
+the sampled tokens, 0 elsewhere). The trained tokens are exactly the sampled ones, never
+re-tokenised text (token-in / token-out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Step:
+    assistant: str
+    tool: str | None
+    arguments: dict | None
+    format_error: bool
+    error: str | None
+    observation: str
+    working_tokens: int
+    compressed: bool = False
+    redundant: bool = False
+    state_changing: bool = False  # an env action that may change the world (resets redundancy tracking)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("state_changing")
+        return out
+
+
+@dataclass
+class Segment:
+    first_step: int
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    last_step: int = -1
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    def extend(self, ids: list[int], *, trained: bool, logprobs: list[float] | None = None) -> None:
+        self.completion_ids.extend(ids)
+        self.loss_mask.extend([1 if trained else 0] * len(ids))
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": len(self.completion_ids),
+            "trained_tokens": self.trained_tokens,
+        }
+
+
+@dataclass
+class Trajectory:
+    game: str
+    task_type: str
+    goal: str
+    success: bool = False
+    reward: dict[str, float] = field(default_factory=dict)
+    steps: list[Step] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    experience: dict[str, str] = field(default_factory=dict)
+    end_reason: str = ""  # finish | env_done | step_limit | script_exhausted | context_limit | env_crash
+    error: str | None = None  # why an episode was lost (env worker crash), if it was
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {
+            "peak_working_tokens": max((s.working_tokens for s in self.steps), default=0),
+            "num_steps": len(self.steps),
+            "num_compress": sum(s.compressed for s in self.steps),
+            "num_read": sum(1 for s in self.steps if s.tool == "ReadExperience" and s.error is None),
+            "num_redundant": sum(s.redundant for s in self.steps),
+            "num_format_errors": sum(s.format_error for s in self.steps),
+        }
+
+    def to_json(self, with_tokens: bool = False) -> dict[str, Any]:
+        """The design.md trajectory JSON; `with_tokens` adds each segment's ids, mask and log-probs."""
+        segments = []
+        for seg in self.segments:
+            item: dict[str, Any] = seg.to_json()
+            if with_tokens:
+                item.update(
+                    prompt_ids=seg.prompt_ids,
+                    completion_ids=seg.completion_ids,
+                    loss_mask=seg.loss_mask,
+                    logprobs=seg.logprobs,
+                )
+            segments.append(item)
+        out = {
+            "game": self.game,
+            "task_type": self.task_type,
+            "goal": self.goal,
+            "success": self.success,
+            "reward": self.reward,
+            "steps": [s.to_json() for s in self.steps],
+            "segments": segments,
+            "experience": self.experience,
+            "stats": self.stats,
+            "end_reason": self.end_reason,
+        }
+        if self.error:
+            out["error"] = self.error
+        return out

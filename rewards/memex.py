@@ -1,0 +1,95 @@
+"""R = R_task - P_context - P_redundancy - P_format (memex.md "Reward"; paper section 4.7).
+
+Plain functions over the steps of a finished trajectory, each penalty in [0, 1] times its
+weight. The env gives no reward shaping: it only says whether the task was won.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from memexrl.memory.parsing import MEMORY_TOOLS, canonical_call
+from memexrl.trajectory import Step, Trajectory
+
+
+def task_reward(success: bool) -> float:
+    """R_task: 1 on success, else 0."""
+    return 1.0 if success else 0.0
+
+
+def context_penalty(
+    working_tokens: Sequence[int], compressed: Sequence[bool], threshold: int, weight: float = 1.0
+) -> float:
+    """P_context = w * min(1, sum_t max(0, C_t - T) / (T * steps)).
+
+    C_t is the working context after step t; steps in which a compression happened are left
+    out of the sum (their C_t is the fresh summary, the overflow was paid before). The
+    denominator counts all steps, as the paper's formula does.
+    """
+    steps = len(working_tokens)
+    if steps == 0:
+        return 0.0
+    excess = sum(max(0, c - threshold) for c, comp in zip(working_tokens, compressed) if not comp)
+    return weight * min(1.0, excess / (threshold * steps))
+
+
+def mark_redundant(steps: Sequence[Step]) -> list[bool]:
+    """Which non-memory tool calls repeat one made since the last state-changing action.
+
+    A call is identified by (tool name, arguments with sorted keys). A state-changing action
+    (ALFWorld: pick up, take, put/move, open, close, use, clean, heat, cool, slice, toggle)
+    starts a new window that holds only itself, so repeating it right away is redundant too.
+    Memory tools, format errors and replies without a call are never counted.
+    """
+    flags: list[bool] = []
+    seen: set[str] = set()
+    for step in steps:
+        if step.tool is None or step.format_error or step.tool in MEMORY_TOOLS:
+            flags.append(False)
+            continue
+        key = canonical_call(step.tool, step.arguments or {})
+        flags.append(key in seen)
+        if step.state_changing:
+            seen = {key}
+        else:
+            seen.add(key)
+    return flags
+
+
+def _non_memory_calls(steps: Sequence[Step]) -> int:
+    return sum(1 for s in steps if s.tool is not None and not s.format_error and s.tool not in MEMORY_TOOLS)
+
+
+def redundancy_penalty(steps: Sequence[Step], weight: float = 0.05) -> float:
+    """P_redundancy = w * N_redundant / N_tool_calls, over non-memory tool calls."""
+    calls = _non_memory_calls(steps)
+    if calls == 0:
+        return 0.0
+    return weight * sum(mark_redundant(steps)) / calls
+
+
+def format_penalty(steps: Sequence[Step], weight: float = 1.0) -> float:
+    """P_format = w * (steps with a malformed call / steps that attempted a call)."""
+    attempted = sum(1 for s in steps if s.format_error or s.tool is not None)
+    if attempted == 0:
+        return 0.0
+    return weight * sum(s.format_error for s in steps) / attempted
+
+
+def score_trajectory(
+    traj: Trajectory, threshold: int, lambda_ctx: float = 1.0, lambda_red: float = 0.05, lambda_fmt: float = 1.0
+) -> dict[str, float]:
+    """Mark redundant steps and fill `traj.reward` with the design.md reward block."""
+    for step, flag in zip(traj.steps, mark_redundant(traj.steps)):
+        step.redundant = flag
+    reward = {
+        "task": task_reward(traj.success),
+        "context": context_penalty(
+            [s.working_tokens for s in traj.steps], [s.compressed for s in traj.steps], threshold, lambda_ctx
+        ),
+        "redundancy": redundancy_penalty(traj.steps, lambda_red),
+        "format": format_penalty(traj.steps, lambda_fmt),
+    }
+    reward["total"] = reward["task"] - reward["context"] - reward["redundancy"] - reward["format"]
+    traj.reward = reward
+    return reward

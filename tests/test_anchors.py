@@ -1,0 +1,36 @@
+"""Anchor-mode extraction: verbatim spans, exact match first, then whitespace-collapsed."""
+
+from memexrl.memory.anchors import extract_span, fill_content
+
+CONTEXT = (
+    "You arrive at fridge 1. The fridge 1 is closed.\n\n"
+    "You open the fridge 1. In it, you see an apple 2,   a lettuce 1, and a tomato 3.\n\n"
+    "You arrive at countertop 1. On the countertop 1, you see a knife 1."
+)
+
+
+def test_exact_span_is_verbatim_and_inclusive():
+    span = extract_span(CONTEXT, "You open the fridge 1", "lettuce 1", "tomato 3.")
+    assert span == "You open the fridge 1. In it, you see an apple 2,   a lettuce 1, and a tomato 3."
+
+
+def test_whitespace_collapsed_match_returns_original_text():
+    span = extract_span(CONTEXT, "apple 2, a   lettuce", "lettuce", "and a\ntomato 3")
+    assert span == "apple 2,   a lettuce 1, and a tomato 3"
+
+
+def test_mid_anchor_must_be_inside_span():
+    assert extract_span(CONTEXT, "You open", "knife 1", "tomato 3.") is None
+    # The span may extend to a later end anchor to contain mid.
+    assert extract_span(CONTEXT, "fridge 1", "countertop", "1.").startswith("fridge 1")
+
+
+def test_missing_anchor_is_none():
+    assert extract_span(CONTEXT, "You open", "apple", "banana") is None
+    assert extract_span(CONTEXT, "", "apple", "tomato") is None
+
+
+def test_fill_content_placeholder_or_append():
+    assert fill_content("Fridge: {{EXTRACT}} (step 3)", "apple 2") == "Fridge: apple 2 (step 3)"
+    assert fill_content("Fridge contents", "apple 2") == "Fridge contents\napple 2"
+    assert fill_content(None, "apple 2") == "apple 2"

@@ -1,0 +1,79 @@
+"""The tool-call parser: every malformed shape is a format error with a precise message."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memexrl.memory.parsing import canonical_call, parse_tool_call
+
+
+def call(name, arguments):
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def test_well_formed_call_after_thinking_text():
+    parsed = parse_tool_call("I should look first.\n" + call("execute_action", {"action": "look"}))
+    assert parsed.kind == "call" and parsed.name == "execute_action"
+    assert parsed.arguments == {"action": "look"}
+    assert not parsed.format_error
+
+
+def test_no_call_is_not_a_format_error():
+    parsed = parse_tool_call("I am thinking about the apple.")
+    assert parsed.kind == "none" and not parsed.format_error
+
+
+def test_call_inside_think_block_is_ignored():
+    assert parse_tool_call("<think>" + call("finish", {}) + "</think> nothing").kind == "none"
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ('<tool_call>{"name": "finish", "arguments": {}}', "unclosed"),
+        ('{"name": "finish"}</tool_call>', "without an opening"),
+        ("<tool_call>{name: finish}</tool_call>", "not valid JSON"),
+        ("<tool_call>[1, 2]</tool_call>", "JSON object"),
+        ('<tool_call>{"arguments": {}}</tool_call>', "no 'name'"),
+        (call("fly", {}), "unknown tool 'fly'"),
+        (call("execute_action", {}), "missing the required argument 'action'"),
+        (call("execute_action", {"action": 3}), "must be of type str"),
+        (call("ReadExperience", {}), "'db_index'"),
+        (call("CompressExperience", {"summary": "s"}), "'db_blocks'"),
+        (call("finish", {}) + call("finish", {}), "2 tool calls"),
+        ('<tool_call>{"name": "finish", "arguments": "nope"}</tool_call>', "not a JSON object"),
+    ],
+)
+def test_malformed_calls_are_format_errors(text, fragment):
+    parsed = parse_tool_call(text)
+    assert parsed.kind == "malformed" and parsed.format_error
+    assert fragment in parsed.error
+    assert parsed.error.startswith("Format error:")
+
+
+def test_arguments_as_json_string_are_accepted():
+    text = '<tool_call>{"name": "ReadExperience", "arguments": "{\\"db_index\\": \\"a\\"}"}</tool_call>'
+    assert parse_tool_call(text).arguments == {"db_index": "a"}
+
+
+def test_restricted_tool_set():
+    parsed = parse_tool_call(call("ReadExperience", {"db_index": "a"}), tools=("execute_action", "finish"))
+    assert parsed.format_error and "unknown tool" in parsed.error
+
+
+def test_canonical_call_sorts_keys():
+    assert canonical_call("t", {"b": 1, "a": 2}) == canonical_call("t", {"a": 2, "b": 1})
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.text())
+def test_parser_never_crashes_on_random_text(text):
+    parsed = parse_tool_call(text)
+    assert parsed.kind in ("call", "none", "malformed")
+    assert (parsed.error is not None) == (parsed.kind == "malformed")
