@@ -1,0 +1,126 @@
+"""Token-in / token-out: segment ids, loss masks and log-probs line up with the text, for the
+scripted engine and for SmolLM2 sampling through the transformers engine on a real game."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import json
+
+import pytest
+import torch
+
+from envs.data import resolve_game
+from envs.inline import InlineEnvs
+from memexrl.agent import MEMEX_TOOLS
+from memexrl.config import load_config
+from memexrl.memory.prompts import system_prompt
+from rollout.engines import GenerationRequest, ScriptedEngine
+from rollout.hf_engine import TransformersEngine
+from rollout.runner import make_renderer, run_episodes
+
+torch.set_num_threads(1)
+
+
+def spans(mask):
+    """Maximal runs of equal mask values: [(value, start, stop), ...]."""
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((mask[start], start, i))
+            start = i
+    return out
+
+
+def check_alignment(traj, renderer):
+    """Each trained span decodes to one assistant turn; the rest is template + observations."""
+    texts = [s.assistant for s in traj.steps]
+    n = 0
+    for seg in traj.segments:
+        assert len(seg.completion_ids) == len(seg.loss_mask) == len(seg.logprobs)
+        for value, start, stop in spans(seg.loss_mask):
+            piece = renderer.decode(seg.completion_ids[start:stop])
+            if value == 1:
+                assert piece.replace(renderer.eos_text, "") == texts[n]
+                n += 1
+            else:
+                assert all(lp == 0.0 for lp in seg.logprobs[start:stop])
+    assert n == len(texts)
+
+
+def test_scripted_segments_decode_to_the_exact_context(alfworld_data, smol_tokenizer):
+    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "memory.threshold=400"])
+    renderer = make_renderer(smol_tokenizer, cfg)
+    look = '<tool_call>{"name": "execute_action", "arguments": {"action": "look"}}</tool_call>'
+    compress = ('<tool_call>{"name": "CompressExperience", "arguments": {"summary": "room: overview", '
+                '"db_blocks": [{"db_index": "room", "db_content": "a room"}]}}</tool_call>')
+    read = '<tool_call>{"name": "ReadExperience", "arguments": {"db_index": "room"}}</tool_call>'
+    game = str(resolve_game("valid_seen:0", alfworld_data))
+    engine = ScriptedEngine(smol_tokenizer, {"e": ["I look. " + look, compress, read]})
+    with InlineEnvs() as envs:
+        (traj,) = run_episodes([("e", game)], engine, envs, renderer, cfg)
+    check_alignment(traj, renderer)
+    first, second = traj.segments
+    # Segment 2 starts from [system, task, summary] rendered by the chat template.
+    prompt = renderer.decode(second.prompt_ids)
+    assert prompt.endswith("<|im_start|>assistant\n") and "=== SUMMARY OF YOUR PREVIOUS CONTEXT ===" in prompt
+    system = system_prompt(MEMEX_TOOLS, 400, schemas_in_text=True)
+    assert renderer.decode(first.prompt_ids).startswith(f"<|im_start|>system\n{system}<|im_end|>")
+    assert "Your task is to:" in renderer.decode(first.prompt_ids)
+    # The observation tokens decode to the observation text exactly as the step records it.
+    whole = renderer.decode(first.completion_ids)
+    assert traj.steps[0].observation in whole
+
+
+@pytest.mark.slow
+def test_smollm2_plays_real_steps_with_aligned_tokens_and_logprobs(alfworld_data, smol_policy):
+    model, tokenizer = smol_policy
+    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "env.max_steps=3", "rollout.max_new_tokens=48",
+                             "memory.threshold=2000", "rollout.temperature=1.0"])
+    renderer = make_renderer(tokenizer, cfg)
+    engine = TransformersEngine(model, tokenizer, temperature=1.0, batch_size=2, seed=0)
+    games = [str(resolve_game(spec, alfworld_data)) for spec in ("valid_seen:0", "valid_unseen:0")]
+    with InlineEnvs() as envs:
+        trajs = run_episodes([("a", games[0]), ("b", games[1])], engine, envs, renderer, cfg)
+    for traj in trajs:
+        assert traj.stats["num_steps"] == 3 and traj.end_reason in ("step_limit", "finish", "env_done")
+        check_alignment(traj, renderer)
+        seg = traj.segments[-1]
+        ids = torch.tensor([seg.prompt_ids + seg.completion_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(seg.prompt_ids) - 1 : -1].float()  # (T, V)
+        recomputed = logits.log_softmax(-1).gather(-1, torch.tensor(seg.completion_ids)[:, None]).squeeze(-1)
+        mask = torch.tensor(seg.loss_mask, dtype=torch.bool)
+        assert torch.allclose(recomputed[mask], torch.tensor(seg.logprobs)[mask], atol=1e-3)
+    # The KV cache made each turn prefill only its new tokens: every context token is run through
+    # the model once, plus at most the re-fed last sampled token of each turn. Without the cache every
+    # turn would prefill its whole context again.
+    total = sum(len(s.prompt_ids) + len(s.completion_ids) for t in trajs for s in t.segments)
+    turns = sum(t.stats["num_steps"] for t in trajs)
+    assert engine.prefill_tokens <= total - engine.generated_tokens + turns
+
+
+@pytest.mark.slow
+def test_batched_cached_greedy_equals_generate(smol_policy):
+    model, tokenizer = smol_policy
+    engine = TransformersEngine(model, tokenizer, temperature=0, batch_size=4)
+
+    def chat(text):
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=False)
+        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+    def reference(ids, n):
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False)
+        return out[0, len(ids):].tolist()
+
+    p1, p2 = chat("What is the capital of France?"), chat("Name three colours of the rainbow, please.")
+    first = engine.generate([GenerationRequest("a", p1, 12), GenerationRequest("b", p2, 12)])
+    follow = tokenizer("\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n",
+                       add_special_tokens=False)["input_ids"]
+    p1b = p1 + first[0].token_ids + follow
+    second = engine.generate([GenerationRequest("a", p1b, 12), GenerationRequest("c", p2, 12)])
+    for ids, completion in [(p1, first[0]), (p2, first[1]), (p1b, second[0]), (p2, second[1])]:
+        assert completion.token_ids == reference(ids, 12)[: len(completion.token_ids)]
+    assert json.dumps(first[0].text)  # decodes to text
