@@ -46,25 +46,13 @@ def read_script(path: str | Path) -> list[str]:
 
 def replay(game: str, turns: list[str], cfg, tokenizer) -> dict:
     """Play one episode with a scripted policy; return the trajectory JSON (with token ids)."""
-    from envs.inline import InlineEnvs
     from rollout.engines import ScriptedEngine
-    from rollout.runner import make_renderer, run_episodes
+    from rollout.runner import make_renderer, open_envs, run_episodes
 
     engine = ScriptedEngine(tokenizer, {"replay": turns})
-    with InlineEnvs(env_kwargs_from(cfg)) as envs:
+    with open_envs(cfg, num_workers=0) as envs:
         (traj,) = run_episodes([("replay", game)], engine, envs, make_renderer(tokenizer, cfg), cfg)
     return traj.to_json()
-
-
-def env_kwargs_from(cfg) -> dict:
-    e = cfg.env
-    return {
-        "hide_admissible": e.hide_admissible,
-        "hide_initial_room": e.hide_initial_room,
-        "look_once": e.look_once,
-        "demangle": e.demangle,
-        "seed": e.seed,
-    }
 
 
 def cmd_replay(args: argparse.Namespace) -> None:

@@ -49,6 +49,27 @@ class RolloutTimes:
         return self.engine_s + self.env_s + self.agent_s
 
 
+def env_kwargs(cfg: Config) -> dict:
+    """ModifiedAlfWorld keyword arguments from the config's env section."""
+    e = cfg.env
+    return {
+        "hide_admissible": e.hide_admissible,
+        "hide_initial_room": e.hide_initial_room,
+        "look_once": e.look_once,
+        "demangle": e.demangle,
+        "seed": e.seed,
+    }
+
+
+def open_envs(cfg: Config, num_workers: int | None = None) -> Envs:
+    """The env pool (num_workers processes; default cfg.env.num_workers), or in-process envs for 0."""
+    from envs.inline import InlineEnvs
+    from envs.pool import EnvPool
+
+    workers = cfg.env.num_workers if num_workers is None else num_workers
+    return EnvPool(workers, env_kwargs(cfg)) if workers > 0 else InlineEnvs(env_kwargs(cfg))
+
+
 def make_renderer(tokenizer, cfg: Config, tools: tuple[str, ...] = MEMEX_TOOLS) -> ChatRenderer:
     return ChatRenderer(tokenizer, tool_schemas(tools), cfg.rollout.observation_role)
 

@@ -1,0 +1,48 @@
+"""`memexrl bench env|store|rollout`: benchmarks that print ratios measured side by side in one run.
+
+- env: env steps/s through the worker pool with 1 and 2 worker processes, then the share of
+  rollout time spent outside the model with SmolLM2 playing real games;
+- store: experience-store writes and reads per second, in-memory vs SQLite;
+- rollout: transformers-engine generation with and without the per-episode KV cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from envs.data import list_games
+from memexrl.config import load_config
+
+# Small, cheap rollouts: a few short episodes with short turns (the CPU default).
+ROLLOUT_BENCH_OVERRIDES = [
+    "env.max_steps=6", "rollout.max_new_tokens=64", "memory.threshold=2000", "rollout.temperature=0",
+]
+
+
+def _policy(cfg):
+    import torch
+
+    from memexrl.models import load_policy
+
+    torch.set_num_threads(1)
+    return load_policy(cfg.model)
+
+
+def run(what: str, args: argparse.Namespace) -> str:
+    if what == "store":
+        from eval.bench_store import bench_store, format_bench_store
+
+        return format_bench_store(bench_store(n_blocks=args.blocks))
+    cfg = load_config(args.config, ROLLOUT_BENCH_OVERRIDES)
+    games = list_games(args.split, cfg.env.data_dir)[: args.games]
+    if what == "env":
+        from eval.bench_env import bench_env, format_bench_env
+        from eval.bench_rollout import format_rollout_overhead, rollout_overhead
+
+        steps = format_bench_env(bench_env(games, steps=args.steps))
+        model, tokenizer = _policy(cfg)
+        return steps + "\n\n" + format_rollout_overhead(rollout_overhead(games, cfg, model, tokenizer))
+    from eval.bench_rollout import format_kv_cache_speedup, kv_cache_speedup
+
+    model, tokenizer = _policy(cfg)
+    return format_kv_cache_speedup(kv_cache_speedup(games, cfg, model, tokenizer))

