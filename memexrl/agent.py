@@ -15,7 +15,7 @@ the context window is full, when a scripted policy runs out, or when its env wor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from memexrl.config import Config
 from memexrl.memory.context import ChatRenderer, WorkingContext
@@ -33,21 +33,11 @@ from memexrl.memory.tools import run_compress, run_read
 from memexrl.trajectory import Step, Trajectory
 from rewards import score_trajectory
 
+if TYPE_CHECKING:
+    from envs.pool import EnvResult
+
 MEMEX_TOOLS = (EXECUTE_ACTION, COMPRESS, READ, FINISH)
 FINISHED_MESSAGE = "Episode finished."
-
-
-class EnvAnswer(Protocol):
-    """What an env (pool) returns for a reset or a step (envs.pool.EnvResult)."""
-
-    episode_id: str
-    obs: str
-    reward: float
-    terminated: bool
-    truncated: bool
-    info: dict
-    crashed: bool
-    error: str | None
 
 
 @dataclass
@@ -83,7 +73,7 @@ class Episode:
         self._pending: Step | None = None  # the turn waiting for the env's answer
 
     # --- lifecycle ----------------------------------------------------------------------------
-    def start(self, answer: EnvAnswer) -> None:
+    def start(self, answer: EnvResult) -> None:
         """Build [system, task] from the env's reset answer."""
         if answer.crashed:
             self._end("env_crash", error=answer.error)
@@ -147,7 +137,7 @@ class Episode:
         record.working_tokens = self.context.working_tokens
         return self._record(record)
 
-    def on_env_result(self, answer: EnvAnswer) -> None:
+    def on_env_result(self, answer: EnvResult) -> None:
         """Take the env's answer to the pending execute_action."""
         assert self._pending is not None
         record, self._pending = self._pending, None

@@ -98,8 +98,16 @@ def run_episodes(
     times.env_s += time.perf_counter() - t0
 
     bar = tqdm(total=len(jobs), desc="episodes", disable=not progress, leave=False)
+
+    def release(finished: list[Episode]) -> None:
+        for ep in finished:
+            engine.release(ep.id)
+            envs.close_episode(ep.id)
+            ep.store.close()
+        bar.update(len(finished))
+
+    release([ep for ep in episodes.values() if ep.done])  # lost at reset (env crash)
     live = [ep for ep in episodes.values() if not ep.done]
-    bar.update(len(jobs) - len(live))
     while live:
         t0 = time.perf_counter()
         requests = [GenerationRequest(ep.id, ep.request_ids(), ep.max_new_tokens()) for ep in live]
@@ -121,12 +129,7 @@ def run_episodes(
         times.env_s += t4 - t3
         times.agent_s += (t1 - t0) + (t3 - t2) + (t5 - t4)
         times.turns += len(live)
-        finished = [ep for ep in live if ep.done]
-        for ep in finished:
-            engine.release(ep.id)
-            envs.close_episode(ep.id)
-            ep.store.close()
-        bar.update(len(finished))
+        release([ep for ep in live if ep.done])
         live = [ep for ep in live if not ep.done]
     bar.close()
     return [episodes[eid].traj for eid, _ in jobs]

@@ -124,3 +124,45 @@ def test_batched_cached_greedy_equals_generate(smol_policy):
     for ids, completion in [(p1, first[0]), (p2, first[1]), (p1b, second[0]), (p2, second[1])]:
         assert completion.token_ids == reference(ids, 12)[: len(completion.token_ids)]
     assert json.dumps(first[0].text)  # decodes to text
+
+
+# A compact template in Qwen's shape: tool schemas rendered by the template from `tools=`,
+# tool observations sent as a user turn wrapped in <tool_response>.
+QWEN_STYLE_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}<|im_start|>user\n{{ message.content }}<|im_end|>\n"
+    "{%- elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content }}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_template_with_tools_renders_schemas_and_tool_responses(alfworld_data, smol_tokenizer):
+    import copy
+
+    tokenizer = copy.deepcopy(smol_tokenizer)
+    tokenizer.chat_template = QWEN_STYLE_TEMPLATE
+    cfg = load_config(None, [f"env.data_dir={alfworld_data}"])
+    renderer = make_renderer(tokenizer, cfg)
+    assert renderer.template_has_tools
+    look = '<tool_call>{"name": "execute_action", "arguments": {"action": "look"}}</tool_call>'
+    engine = ScriptedEngine(tokenizer, {"e": [look, look]})
+    with InlineEnvs() as envs:
+        (traj,) = run_episodes([("e", str(resolve_game("valid_seen:0", alfworld_data)))], engine, envs, renderer, cfg)
+    check_alignment(traj, renderer)
+    seg = traj.segments[0]
+    prompt = renderer.decode(seg.prompt_ids)
+    assert '"name": "CompressExperience"' in prompt and "Tools (name" not in prompt  # the template's rendering
+    body = renderer.decode(seg.completion_ids)
+    assert "<|im_start|>user\n<tool_response>\nYou are in the middle of a room" in body
+    assert traj.steps[-1].working_tokens == len(seg.prompt_ids) + len(seg.completion_ids) - traj_header(renderer, seg)
+
+
+def traj_header(renderer, seg):
+    """Tokens of [system, task] without the generation prompt: the part W does not count."""
+    gen = renderer.encode("<|im_start|>assistant\n")
+    return len(seg.prompt_ids) - len(gen)

@@ -1,0 +1,72 @@
+"""The batched runner over the env worker pool: same episodes as in-process, and a crashed env
+worker ends only its own episode, as failed with the reason."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import json
+import signal
+
+import pytest
+
+from envs.data import resolve_game
+from envs.pool import EnvPool
+from memexrl.config import load_config
+from rollout.engines import ScriptedEngine
+from rollout.runner import make_renderer, open_envs, run_episodes
+
+
+def act(action):
+    return "<tool_call>" + json.dumps({"name": "execute_action", "arguments": {"action": action}}) + "</tool_call>"
+
+
+SCRIPT = [act("look"), act("inventory"), act("go to drawer 1"), act("open drawer 1"), act("inventory")]
+
+
+@pytest.fixture(scope="module")
+def setup(alfworld_data, smol_tokenizer):
+    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "memory.threshold=500"])
+    games = [str(resolve_game(f"valid_unseen:{i}", alfworld_data)) for i in range(3)]
+    return cfg, games, smol_tokenizer
+
+
+@pytest.mark.slow
+def test_pool_and_inline_give_the_same_trajectories(setup):
+    cfg, games, tok = setup
+    jobs = [(f"e{i}", g) for i, g in enumerate(games)]
+    results = []
+    for workers in (0, 2):
+        engine = ScriptedEngine(tok, {eid: SCRIPT for eid, _ in jobs})
+        with open_envs(cfg, workers) as envs:
+            results.append([t.to_json() for t in run_episodes(jobs, engine, envs, make_renderer(tok, cfg), cfg)])
+    assert results[0] == results[1]
+
+
+class KillingEngine(ScriptedEngine):
+    """A scripted policy that SIGKILLs the env worker of one episode before its third turn."""
+
+    def __init__(self, tokenizer, scripts, pool, victim):
+        super().__init__(tokenizer, scripts)
+        self.pool, self.victim = pool, victim
+
+    def generate(self, requests):
+        if self.position.get(self.victim) == 2:
+            os.kill(self.pool.worker_pid(self.victim), signal.SIGKILL)
+        return super().generate(requests)
+
+
+@pytest.mark.slow
+def test_crashed_worker_fails_only_its_episode_with_reason(setup):
+    cfg, games, tok = setup
+    jobs = [("a", games[0]), ("b", games[1])]
+    with EnvPool(2) as pool:
+        engine = KillingEngine(tok, {"a": SCRIPT, "b": SCRIPT}, pool, victim="a")
+        a, b = run_episodes(jobs, engine, pool, make_renderer(tok, cfg), cfg)
+        assert a.end_reason == "env_crash" and not a.success and "died" in a.error
+        assert a.to_json()["error"] == a.error and a.reward["task"] == 0.0
+        assert b.end_reason == "script_exhausted" and len(b.steps) == len(SCRIPT)
+        # The pool keeps serving new episodes afterwards.
+        (again,) = run_episodes([("c", games[2])], ScriptedEngine(tok, {"c": SCRIPT[:1]}), pool,
+                                make_renderer(tok, cfg), cfg)
+        assert again.steps[0].observation.startswith("You are in the middle of a room")
