@@ -70,6 +70,7 @@ class Episode:
         self.traj = Trajectory(game=game, task_type="", goal="")
         self.context: WorkingContext | None = None
         self.done = False
+        self.last_info: dict = {}  # the env's latest info (experts read the plan and admissible commands)
         self._pending: Step | None = None  # the turn waiting for the env's answer
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -78,7 +79,7 @@ class Episode:
         if answer.crashed:
             self._end("env_crash", error=answer.error)
             return
-        info = answer.info
+        info = self.last_info = answer.info
         self.traj.task_type = info.get("task_type", "")
         self.traj.goal = info.get("goal", "")
         system = system_prompt(self.tools, self.cfg.memory.threshold, not self.renderer.template_has_tools)
@@ -147,6 +148,7 @@ class Episode:
             self.traj.steps.append(record)
             self._end("env_crash", error=answer.error)
             return
+        self.last_info = answer.info
         record.state_changing = bool(answer.info.get("state_changing", False))
         won = bool(answer.info.get("won", False)) or answer.terminated
         self.traj.success = self.traj.success or won

@@ -42,6 +42,9 @@ class Segment:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     last_step: int = -1
+    # The segment's conversation (system, task, [summary], then assistant/observation turns): the
+    # same list object the working context appends to until a compression replaces it.
+    messages: list[dict] = field(default_factory=list)
 
     @property
     def trained_tokens(self) -> int:
@@ -91,7 +94,7 @@ class Trajectory:
         }
 
     def to_json(self, with_tokens: bool = False) -> dict[str, Any]:
-        """The design.md trajectory JSON; `with_tokens` adds each segment's ids, mask and log-probs."""
+        """The design.md trajectory JSON; `with_tokens` adds each segment's ids, mask, log-probs and messages."""
         segments = []
         for seg in self.segments:
             item: dict[str, Any] = seg.to_json()
@@ -101,6 +104,7 @@ class Trajectory:
                     completion_ids=seg.completion_ids,
                     loss_mask=seg.loss_mask,
                     logprobs=seg.logprobs,
+                    messages=seg.messages,
                 )
             segments.append(item)
         out = {

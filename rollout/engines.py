@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Any
 
 from memexrl.agent import Completion
 
@@ -22,6 +23,9 @@ class GenerationRequest:
     episode_id: str
     prompt_ids: list[int]
     max_new_tokens: int
+    # The episode itself (memexrl.agent.Episode), for engines that act on its state rather than on
+    # token ids alone (the scripted Memex expert); model engines ignore it.
+    state: Any = None
 
 
 class Engine(abc.ABC):

@@ -110,7 +110,7 @@ def run_episodes(
     live = [ep for ep in episodes.values() if not ep.done]
     while live:
         t0 = time.perf_counter()
-        requests = [GenerationRequest(ep.id, ep.request_ids(), ep.max_new_tokens()) for ep in live]
+        requests = [GenerationRequest(ep.id, ep.request_ids(), ep.max_new_tokens(), ep) for ep in live]
         t1 = time.perf_counter()
         completions = engine.generate(requests)
         t2 = time.perf_counter()

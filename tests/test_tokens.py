@@ -67,6 +67,10 @@ def test_scripted_segments_decode_to_the_exact_context(alfworld_data, smol_token
     system = system_prompt(MEMEX_TOOLS, 400, schemas_in_text=True)
     assert renderer.decode(first.prompt_ids).startswith(f"<|im_start|>system\n{system}<|im_end|>")
     assert "Your task is to:" in renderer.decode(first.prompt_ids)
+    # Each segment's messages render (chat template) to exactly the text of its token ids.
+    assert renderer.decode(first.prompt_ids + first.completion_ids) + "\n" == renderer.render(first.messages, False)
+    assert renderer.decode(second.prompt_ids + second.completion_ids) == renderer.render(second.messages, True)
+    assert [m["role"] for m in second.messages] == ["system", "user", "user", "assistant", "tool"]
     # The observation tokens decode to the observation text exactly as the step records it.
     whole = renderer.decode(first.completion_ids)
     assert traj.steps[0].observation in whole

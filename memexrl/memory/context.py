@@ -125,7 +125,8 @@ class WorkingContext:
 
     # --- token buffer -------------------------------------------------------------------------
     def _start_segment(self, first_step: int) -> None:
-        self.segments.append(Segment(first_step=first_step, prompt_ids=self.renderer.prompt_ids(self.messages)))
+        prompt_ids = self.renderer.prompt_ids(self.messages)
+        self.segments.append(Segment(first_step=first_step, prompt_ids=prompt_ids, messages=self.messages))
 
     @property
     def segment(self) -> Segment:
