@@ -10,7 +10,12 @@ raw PDDL names), `AlfredInfos` and the handcoded `AlfredExpert`. The modificatio
    opening text) is withheld and served by `look`.
 3. `look_once`: `look` works once per episode; later calls answer a refusal pointing to
    ReadExperience. Every `look` is still forwarded to the underlying env, which it does not
-   change, because the handcoded expert's bookkeeping expects to see it (alfworld.md).
+   change, because the handcoded expert's bookkeeping expects to see it (alfworld.md); and when
+   the expert itself plans another `look`, the env plays it silently and offers the expert's
+   next action instead, so `info["expert_plan"]` never holds a second look.
+
+The handcoded expert is told each `move X to Y` as `put X in/on Y`, the spelling its inventory
+tracking reads (`expert_spelling`): without it, it fails most pick_two_obj tasks.
 
 The env keeps the gymnasium shape: `reset() -> (obs, info)`, `step(a) -> (obs, reward,
 terminated, truncated, info)`. The reward is the bare task signal (1.0 on the winning step);
@@ -30,6 +35,7 @@ import copy
 import functools
 import logging
 import random
+import re
 import sys
 import threading
 from pathlib import Path
@@ -47,6 +53,8 @@ STATE_CHANGING_PREFIXES = (
 ROOM_PREFIX = "You are in the middle of a room"
 TASK_PREFIX = "Your task is to:"
 LOOK_REFUSAL = "You have already used `look` once in this episode. Use ReadExperience to recall what you saw."
+_MOVE = re.compile(r"move (.+?) to (.+)")
+MAX_SILENT_LOOKS = 8  # expert looks played silently after one step before its plan is dropped
 EPISODE_OVER = "The episode is over: the task is already complete. Reset the environment to play again."
 
 
@@ -57,6 +65,19 @@ def is_state_changing(action: str) -> bool:
     """
     a = " ".join(action.strip().lower().split())
     return any(a == p or a.startswith(p + " ") for p in STATE_CHANGING_PREFIXES)
+
+
+def expert_spelling(action: str) -> str:
+    """The last action as ALFWorld's handcoded expert expects it: `move X to Y` -> `put X in/on Y`.
+
+    alfworld 0.4 spells put as `move X to Y`, but the handcoded expert (handcoded_expert.py,
+    `update_state_tracking`) still updates its inventory on `"put" in last_action`, the spelling
+    of earlier ALFWorld ("put X in/on Y"). Without it the expert never learns that it put an object
+    down, so in pick_two tasks it keeps offering the first object again. The env's own command
+    syntax is unchanged: only what the expert is told is translated.
+    """
+    match = _MOVE.fullmatch(action.strip())
+    return f"put {match[1]} in/on {match[2]}" if match else action
 
 
 def split_opening(text: str) -> tuple[str, str]:
@@ -79,13 +100,15 @@ def _alfworld() -> SimpleNamespace:
     )
 
     class TolerantExpert(AlfredExpert):
-        """AlfredExpert whose failures never break the game: the plan becomes [] instead.
+        """AlfredExpert whose failures never break the game (the plan becomes [] instead), told the
+        last action in the spelling its bookkeeping reads (`expert_spelling`).
 
         The handcoded expert raises HandCodedAgentFailed when it runs out of subgoals and
         AlfredExpert turns its timeout into a bare Exception; both would abort `env.step`.
         """
 
         def _gather_infos(self) -> None:
+            self.prev_command = expert_spelling(self.prev_command)
             try:
                 super()._gather_infos()
             except Exception as e:  # the expert is advice: the game goes on
@@ -326,7 +349,8 @@ class ModifiedAlfWorld:
                 look, obs = "refused", LOOK_REFUSAL
             elif self.hide_initial_room:
                 obs = self._room
-        info = self._info(state, look=look, state_changing=is_state_changing(command))
+        plan = self._skip_expert_looks(state) if (self.look_once and self._looks and not won) else None
+        info = self._info(state, look=look, state_changing=is_state_changing(command), plan=plan)
         self._done = won
         self._last_info = info
         return self._decorate(obs, info), (1.0 if won else 0.0), won, False, info
@@ -346,14 +370,37 @@ class ModifiedAlfWorld:
         self.close()
 
     # ------------------------------------------------------------------------- helpers
-    def _info(self, state: Any, look: str | None, state_changing: bool | None = None) -> dict[str, Any]:
+    def _skip_expert_looks(self, state: Any) -> list[str] | None:
+        """Play the handcoded expert's planned `look`s silently; return its next plan (None: unchanged).
+
+        Once the one look is spent, a planned `look` would be refused, yet the expert's bookkeeping
+        needs to see it (alfworld.md: 88/140 wins instead of 113 when it does not). `look` changes
+        no world state, so the env performs it on the game itself, unseen by the agent, until the
+        plan is something else. The plan then never offers a second look, and the world evolves
+        exactly as with `look_once=False`. A plan still `look` after MAX_SILENT_LOOKS becomes [].
+        """
+        if not self.expert or (state.get("extra.expert_plan") or [None])[0] != "look":
+            return None
+        for _ in range(MAX_SILENT_LOOKS):
+            state, _, _ = self._call(self._env.step, "look")
+            plan = list(state.get("extra.expert_plan") or [])
+            if plan[:1] != ["look"]:
+                return plan
+        logger.debug("handcoded expert kept planning look on %s: plan dropped", self.game_file)
+        return []
+
+    def _info(
+        self, state: Any, look: str | None, state_changing: bool | None = None, plan: list[str] | None = None
+    ) -> dict[str, Any]:
+        if plan is None:
+            plan = list(state.get("extra.expert_plan") or []) if self.expert else []
         info: dict[str, Any] = {
             "game": str(self.game_file),
             "task_type": self._task_type,
             "goal": self._goal,
             "won": bool(state["won"]),
             "admissible_commands": list(state["admissible_commands"]),
-            "expert_plan": list(state.get("extra.expert_plan") or []) if self.expert else [],
+            "expert_plan": plan,
             "look": look,
         }
         if state_changing is not None:

@@ -74,6 +74,38 @@ def cmd_replay(args: argparse.Namespace) -> None:
         print(text)
 
 
+# --- expert -------------------------------------------------------------------------------------
+def cmd_expert(args: argparse.Namespace) -> None:
+    from memexrl.config import load_config
+    from sft.demos import DEMOS_FILE, check_request, make_demonstrations, summary_text, write_demonstrations
+
+    cfg = load_config(args.config, args.overrides)
+    out = check_request(cfg, args.split, args.games, args.out)
+    kept, report = make_demonstrations(cfg, args.split, args.games, args.workers)
+    write_demonstrations(out, kept, report, cfg.model.name)
+    print(summary_text(report))
+    print(f"{len(kept)} demonstrations written to {out / DEMOS_FILE}")
+
+
+# --- sft ----------------------------------------------------------------------------------------
+def cmd_sft(args: argparse.Namespace) -> None:
+    from memexrl.config import load_config
+    from sft.check import post_sft_check
+    from sft.train import run_sft
+
+    cfg = load_config(args.config, args.overrides)
+    checkpoint = run_sft(cfg)
+    print(f"SFT checkpoint: {checkpoint}")
+    if cfg.sft.check_games > 0:
+        report = post_sft_check(cfg, checkpoint, cfg.sft.output_dir)
+        print(
+            f"post-SFT check on {report['episodes']} {report['split']} games: "
+            f"{100 * report['well_formed_call_rate']:.1f}% of {report['steps']} steps with a well-formed tool call, "
+            f"success {100 * report['success_rate']:.0f}%, compress {report['compress_per_episode']:.2f} "
+            f"and read {report['read_per_episode']:.2f} per episode"
+        )
+
+
 # --- bench --------------------------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> None:
     from eval import bench
@@ -102,6 +134,20 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", default=None, help="write the trajectory JSON here instead of stdout")
     rep.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
     rep.set_defaults(func=cmd_replay)
+
+    exp = sub.add_parser("expert", help="Memex expert demonstrations (trajectory JSON lines) for SFT")
+    exp.add_argument("--split", required=True, help="train, valid_seen, valid_unseen or valid")
+    exp.add_argument("--games", type=int, required=True, help="play the first N games of the split")
+    exp.add_argument("--out", required=True, help="directory for demos.jsonl and report.json")
+    exp.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
+    exp.add_argument("--workers", type=int, default=None, help="env worker processes (default: env.num_workers)")
+    exp.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
+    exp.set_defaults(func=cmd_expert)
+
+    sft = sub.add_parser("sft", help="SFT warm start on Memex demonstrations (TRL), then a quick check")
+    sft.add_argument("--config", required=True, help="YAML config (e.g. configs/tiny-cpu.yaml)")
+    sft.add_argument("overrides", nargs="*", help="config overrides, section.key=value (e.g. sft.demos=...)")
+    sft.set_defaults(func=cmd_sft)
 
     ben = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     ben.add_argument("what", choices=["env", "store", "rollout"], help="what to measure")

@@ -105,6 +105,37 @@ class RolloutConfig:
 
 
 @dataclass
+class SFTSection:
+    """The SFT warm start (memex.md "Training": SFT on demonstrations that use the tools)."""
+
+    demos: str = _help("demos.jsonl written by `memexrl expert` (trajectory JSON with tokens).", "")
+    output_dir: str = _help("Run directory (config.yaml, metrics.jsonl, checkpoints/, plots/, wandb/).", "runs/sft")
+    validation_fraction: float = _help("Share of demonstration games held out for validation (split by game).", 0.1)
+    max_length: int = _help("Segments longer than this many tokens are dropped (and counted).", 4096)
+    epochs: float = _help("Passes over the training segments.", 2.0)
+    max_steps: int = _help("Stop after this many optimizer steps (-1: run all epochs).", -1)
+    learning_rate: float = _help("Peak learning rate (LoRA wants ~1e-4..2e-4; full fine-tuning ~1e-5).", 2e-4)
+    weight_decay: float = _help("AdamW weight decay.", 0.0)
+    warmup_ratio: float = _help("Linear warm-up share of the steps.", 0.05)
+    per_device_batch_size: int = _help("Segments per device per micro-batch.", 4)
+    gradient_accumulation_steps: int = _help("Micro-batches per optimizer step.", 1)
+    lora: bool = _help("LoRA adapters via PEFT (False: full fine-tuning).", True)
+    lora_r: int = _help("LoRA rank.", 16)
+    lora_alpha: int = _help("LoRA alpha.", 32)
+    lora_dropout: float = _help("LoRA dropout.", 0.05)
+    lora_target_modules: str = _help("Comma-separated module names, or 'all-linear'.", "all-linear")
+    logging_steps: int = _help("Log metrics every N optimizer steps.", 5)
+    save_steps: int = _help("Checkpoint every N optimizer steps (the last step is always saved).", 200)
+    eval_steps: int = _help("Validation loss every N steps (0: only at the end).", 0)
+    gradient_checkpointing: bool = _help("Trade compute for memory (large models on GPUs).", False)
+    bf16: bool = _help("bfloat16 mixed precision (GPUs; the CPU trains in float32).", False)
+    deepspeed: str = _help("DeepSpeed JSON config path for multi-GPU runs (configs/deepspeed/).", "")
+    wandb: bool = _help("Log to wandb (offline in RUN/wandb unless you are logged in).", True)
+    check_games: int = _help("Held-out valid_unseen games for the post-SFT check (0 skips it).", 4)
+    check_split: str = _help("Split of the post-SFT check games.", "valid_unseen")
+
+
+@dataclass
 class Config:
     seed: int = _help("One seed for Python, numpy and torch.", 0)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -112,6 +143,7 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sft: SFTSection = field(default_factory=SFTSection)
 
     def __post_init__(self) -> None:
         checks = [
@@ -126,6 +158,9 @@ class Config:
             (self.rollout.observation_role in ("tool", "user"), "rollout.observation_role must be 'tool' or 'user'"),
             (self.rollout.max_new_tokens > 0, "rollout.max_new_tokens must be > 0"),
             (self.rollout.temperature >= 0, "rollout.temperature must be >= 0"),
+            (0 <= self.sft.validation_fraction < 1, "sft.validation_fraction must be in [0, 1)"),
+            (self.sft.per_device_batch_size > 0, "sft.per_device_batch_size must be > 0"),
+            (self.sft.gradient_accumulation_steps > 0, "sft.gradient_accumulation_steps must be > 0"),
         ]
         for ok, message in checks:
             if not ok:

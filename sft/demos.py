@@ -1,0 +1,145 @@
+"""Memex expert demonstrations for the SFT warm start (paper 4.8-4.9; design.md `memexrl expert`).
+
+`make_demonstrations` plays the Memex expert (sft/expert.py) on the first N games of a split,
+in the split's sorted order, through the env worker pool and the batched runner, keeps the
+successful episodes and reports how the expert did: success overall and per task type, steps,
+memory-tool use per episode, and the failures by end reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from envs.data import list_games
+from memexrl.config import Config
+from memexrl.errors import MemexError
+from memexrl.trajectory import Trajectory
+from rollout.runner import make_renderer, open_envs, run_episodes
+from sft.expert import MemexExpertEngine
+
+log = logging.getLogger(__name__)
+
+DEMOS_FILE, REPORT_FILE = "demos.jsonl", "report.json"
+CHUNK_PER_WORKER = 8  # episodes in flight per env worker (each open game holds ~35 MB in its worker)
+
+
+def _mean(values: list[float]) -> float:
+    return round(statistics.fmean(values), 3) if values else 0.0
+
+
+def demo_report(trajs: list[Trajectory]) -> dict:
+    """Success overall and per task type, mean steps, compress/read per episode, failures by end reason."""
+    kept = [t for t in trajs if t.success]
+    by_type: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajs:
+        by_type[t.task_type].append(t)
+    stats = [t.stats for t in kept]
+    return {
+        "n_games": len(trajs),
+        "n_success": len(kept),
+        "success_rate": round(len(kept) / len(trajs), 4) if trajs else 0.0,
+        "by_task_type": {
+            k: {"games": len(v), "success": sum(t.success for t in v), "success_rate": round(sum(t.success for t in v) / len(v), 4)}
+            for k, v in sorted(by_type.items())
+        },
+        "mean_steps": _mean([s["num_steps"] for s in stats]),
+        "mean_steps_all": _mean([t.stats["num_steps"] for t in trajs]),
+        "compress_per_episode": _mean([s["num_compress"] for s in stats]),
+        "read_per_episode": _mean([s["num_read"] for s in stats]),
+        "demos_with_read": round(sum(s["num_read"] > 0 for s in stats) / len(stats), 4) if stats else 0.0,
+        "peak_working_tokens_mean": _mean([s["peak_working_tokens"] for s in stats]),
+        "redundant_calls": sum(s["num_redundant"] for s in stats),
+        "format_errors": sum(t.stats["num_format_errors"] for t in trajs),
+        "failures_by_end_reason": dict(Counter(t.end_reason for t in trajs if not t.success)),
+    }
+
+
+def run_expert(
+    cfg: Config, games: list, tokenizer, workers: int | None = None, *, store_factory=None, progress: bool = False
+) -> tuple[list[Trajectory], MemexExpertEngine]:
+    """Play the Memex expert on `games` (episode ids `g0`, `g1`, ...), a few chunks at a time; all trajectories."""
+    engine = MemexExpertEngine(tokenizer)
+    renderer = make_renderer(tokenizer, cfg)
+    jobs = [(f"g{i}", str(g)) for i, g in enumerate(games)]
+    workers = cfg.env.num_workers if workers is None else workers
+    chunk = max(1, workers) * CHUNK_PER_WORKER
+    trajs: list[Trajectory] = []
+    with open_envs(cfg, workers) as envs:
+        for i in range(0, len(jobs), chunk):
+            trajs += run_episodes(
+                jobs[i : i + chunk], engine, envs, renderer, cfg, store_factory=store_factory, progress=progress
+            )
+            log.info("expert: %d/%d games, %d won", len(trajs), len(jobs), sum(t.success for t in trajs))
+    return trajs, engine
+
+
+def make_demonstrations(
+    cfg: Config, split: str, n_games: int, workers: int | None = None, tokenizer=None, progress: bool = True
+) -> tuple[list[Trajectory], dict]:
+    """Play the Memex expert on the first `n_games` games of `split`; return (successful trajectories, report).
+
+    `tokenizer` defaults to the config's policy tokenizer (`memexrl.models.load_tokenizer(cfg.model)`).
+    """
+    if n_games < 1:
+        raise MemexError(f"the number of games must be >= 1, got {n_games}")
+    games = list_games(split, cfg.env.data_dir)[:n_games]
+    if tokenizer is None:
+        from memexrl.models import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model)
+    start = time.perf_counter()
+    trajs, engine = run_expert(cfg, games, tokenizer, workers, progress=progress)
+    report = {
+        "split": split,
+        **demo_report(trajs),
+        "unseen_names": engine.unseen_names,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    return [t for t in trajs if t.success], report
+
+
+# --- the `memexrl expert` command --------------------------------------------------------------------
+def check_request(cfg: Config, split: str, n_games: int, out_dir: str | Path) -> Path:
+    """Validate `memexrl expert` input before anything runs; return the (created) output directory."""
+    if n_games < 1:
+        raise MemexError(f"--games must be >= 1, got {n_games}")
+    list_games(split, cfg.env.data_dir)  # a bad split or missing data: MemexError naming the fix
+    out = Path(out_dir).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise MemexError(f"cannot write to the output directory {out} ({e.strerror or e}): pass a writable --out") from None
+    return out
+
+
+def write_demonstrations(out_dir: Path, kept: list[Trajectory], report: dict, tokenizer_name: str) -> None:
+    """DIR/demos.jsonl (one trajectory per line, with token ids, masks and messages) and DIR/report.json."""
+    with open(out_dir / DEMOS_FILE, "w") as f:
+        for traj in kept:
+            f.write(json.dumps({**traj.to_json(with_tokens=True), "tokenizer": tokenizer_name}) + "\n")
+    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def summary_text(report: dict) -> str:
+    """The printed summary of a demonstration run."""
+    lines = [
+        f"Memex expert on {report['n_games']} {report['split']} games: success "
+        f"{100 * report['success_rate']:.1f}% ({report['n_success']} demonstrations kept)",
+        *(
+            f"  {k}: {v['success']}/{v['games']} ({100 * v['success_rate']:.0f}%)"
+            for k, v in report["by_task_type"].items()
+        ),
+        f"mean steps {report['mean_steps']:.1f}; per episode: compress {report['compress_per_episode']:.2f}, "
+        f"read {report['read_per_episode']:.2f} (demos with a read: {100 * report['demos_with_read']:.0f}%)",
+    ]
+    if report["failures_by_end_reason"]:
+        lines.append("failures: " + ", ".join(f"{k} {v}" for k, v in report["failures_by_end_reason"].items()))
+    return "\n".join(lines)

@@ -1,0 +1,403 @@
+"""The Memex expert: demonstrations that use the memory tools correctly (paper 4.8-4.9, "SFT warm start").
+
+`MemexExpertEngine` plays the modified ALFWorld (memex.md "Modified ALFWorld") by following the
+handcoded ALFWorld expert's plan (`info["expert_plan"]`), and wraps its env actions in the Memex
+behaviour the policy should learn:
+
+- `look` once, first (the env never offers a second one: envs/alfworld.py);
+- `CompressExperience` at natural phase boundaries (object picked up, put down, heated, cooled,
+  cleaned, sliced, lamp turned on) and whenever W passes warn_ratio * T (memex.md "Context status"),
+  with an index-map summary that names every index of the store (memex.md: carry indices over);
+- exact evidence archived by anchor mode (the room overview from `look`, the observations where
+  the target objects were seen: start/mid/end anchors copied from the working context and checked
+  with memexrl/memory/anchors.py before the call) and derived facts by explicit mode (what is held,
+  where the targets are, what was checked);
+- `ReadExperience` before an action that names an object or receptacle absent from the working
+  context but present in an archived block, instead of exploring again.
+
+Every turn is a one- or two-sentence thought followed by exactly one tool call, tokenised by
+`ScriptedEngine` as if the policy had written it; the expert writes its script turn by turn from
+the live episode (`GenerationRequest.state`). When the handcoded expert has no plan left it stops
+(the episode ends as `script_exhausted`). Only what the episode has shown goes into the texts: the
+observations seen so far (`WorldNotes`), the goal, and the task's target classes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from memexrl.memory.anchors import extract_span
+from memexrl.memory.parsing import COMPRESS, EXECUTE_ACTION, READ
+from rollout.engines import GenerationRequest, ScriptedEngine
+
+log = logging.getLogger(__name__)
+
+MIN_STEPS_BETWEEN_COMPRESSIONS = 3  # env actions since the last compression before a boundary compresses
+ROOM_INDEX = "room"
+FACTS_INDEX = "facts"
+_STATUS_SPLIT = "\n\n[Context Status:"
+_NOTHING = "Nothing happens."
+_ARGS = [re.compile(p) for p in (
+    r"(?:go to|open|close|examine|use) (?P<a>.+)",
+    r"take (?P<a>.+?) from (?P<b>.+)",
+    r"move (?P<a>.+?) to (?P<b>.+)",
+    r"(?:heat|cool|clean|slice) (?P<a>.+?) with (?P<b>.+)",
+)]  # fmt: skip
+_TRANSFORMS = {"heat": "heated", "cool": "cooled", "clean": "cleaned", "slice": "sliced"}
+_APPLIANCE = {"heat": "microwave", "cool": "fridge", "clean": "sinkbasin"}
+_NEEDS = {"pick_heat_then_place_in_recep": "heat", "pick_cool_then_place_in_recep": "cool",
+          "pick_clean_then_place_in_recep": "clean"}  # fmt: skip
+
+
+def action_names(action: str) -> list[str]:
+    """The object and receptacle names an ALFWorld command refers to (e.g. take A from B -> [A, B])."""
+    for pattern in _ARGS:
+        match = pattern.fullmatch(action.strip())
+        if match:
+            return [n for n in match.groupdict().values() if n]
+    return []
+
+
+def name_class(name: str) -> str:
+    """'apple 2' -> 'apple' (standard ALFWorld names); raw PDDL names are returned as they are."""
+    return re.sub(r" \d+$", "", name)
+
+
+def mentions(text: str, name: str) -> bool:
+    """Whether `name` occurs in `text` as a whole name ('apple 1' is not in 'pineapple 1' or 'apple 10')."""
+    return re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text) is not None
+
+
+def seen_items(body: str) -> list[str] | None:
+    """The objects listed by an observation ('..., you see a apple 1, and a mug 2.'), None if it lists none."""
+    if "you see " not in body:
+        return None
+    listed = body.rsplit("you see ", 1)[1].rstrip(".").strip()
+    if listed == "nothing":
+        return []
+    parts = re.split(r",\s*(?:and\s+)?|\s+and\s+", listed)
+    return [re.sub(r"^(?:a|an)\s+", "", p.strip()) for p in parts if p.strip()]
+
+
+def body_of(observation: str) -> str:
+    """An observation without the context status the agent loop appends."""
+    return observation.split(_STATUS_SPLIT, 1)[0]
+
+
+@dataclass
+class Targets:
+    """The task's classes (from the game's traj_data.json: the goal says the same in words)."""
+
+    obj: str = ""
+    parent: str = ""
+    toggle: str = ""
+
+    @classmethod
+    def of_game(cls, game: str) -> Targets:
+        try:
+            params = json.loads((Path(game).parent / "traj_data.json").read_text())["pddl_params"]
+        except (OSError, ValueError, KeyError):
+            return cls()
+        return cls(*(str(params.get(k) or "").lower() for k in ("object_target", "parent_target", "toggle_target")))
+
+    def interesting(self) -> list[str]:
+        return [c for c in (self.obj, self.toggle) if c]
+
+
+@dataclass
+class WorldNotes:
+    """What the episode has shown so far, read back from its steps (the expert's own memory)."""
+
+    room: str = ""
+    looked: bool = False
+    contents: dict[str, list[str]] = field(default_factory=dict)  # receptacle -> objects last seen there
+    checked: list[str] = field(default_factory=list)  # receptacles whose contents were seen
+    held: str | None = None
+    states: dict[str, list[str]] = field(default_factory=dict)  # object -> heated / cooled / ...
+    placed: list[tuple[str, str]] = field(default_factory=list)
+    done: list[str] = field(default_factory=list)  # milestones, in words
+    milestone: str | None = None  # the milestone of the newest step, when it was one
+    env_since_compress: int = 0
+    segment_obs: list[tuple[str, str]] = field(default_factory=list)  # (receptacle, body) of this segment
+    room_in_segment: bool = False
+    read_in_segment: set[str] = field(default_factory=set)
+
+    @classmethod
+    def from_steps(cls, steps: list) -> WorldNotes:
+        notes = cls()
+        for step in steps:
+            notes._take(step)
+        return notes
+
+    def _take(self, step) -> None:
+        self.milestone = None
+        if step.compressed:
+            self.env_since_compress, self.segment_obs, self.room_in_segment = 0, [], False
+            self.read_in_segment = set()
+            return
+        if step.tool == READ and step.error is None:
+            self.read_in_segment.add(step.arguments["db_index"])
+            return
+        if step.tool != EXECUTE_ACTION or step.format_error or step.error:
+            return
+        self.env_since_compress += 1
+        action, body = step.arguments["action"].strip(), body_of(step.observation)
+        if action == "look":
+            if not self.looked and body.startswith("You are in the middle of a room"):
+                self.room, self.room_in_segment = body, True
+            self.looked = True
+            return
+        if body.startswith(_NOTHING):
+            return
+        names = action_names(action)
+        verb = action.split(" ", 1)[0]
+        items = seen_items(body)
+        if items is not None and verb in ("go", "open", "examine") and names:
+            self.contents[names[0]] = items
+            if names[0] not in self.checked:
+                self.checked.append(names[0])
+            self.segment_obs.append((names[0], body))
+        if verb == "take" and len(names) == 2:
+            self.held = names[0]
+            if names[0] in self.contents.get(names[1], []):
+                self.contents[names[1]].remove(names[0])
+            self._milestone(f"took {names[0]} from {names[1]}")
+        elif verb == "move" and len(names) == 2:
+            self.held = None
+            self.placed.append((names[0], names[1]))
+            self.contents.setdefault(names[1], []).append(names[0])
+            self._milestone(f"put {names[0]} in/on {names[1]}")
+        elif verb in _TRANSFORMS and len(names) == 2:
+            self.states.setdefault(names[0], []).append(_TRANSFORMS[verb])
+            self._milestone(f"{_TRANSFORMS[verb]} {names[0]} with {names[1]}")
+        elif verb == "use" and names:
+            self._milestone(f"turned on {names[0]}")
+
+    def _milestone(self, text: str) -> None:
+        self.milestone = text
+        self.done.append(text)
+
+    def where_seen(self, cls: str) -> list[tuple[str, str]]:
+        """(object, receptacle) for every object of class `cls` last seen somewhere (not held)."""
+        return [(o, r) for r, objs in self.contents.items() for o in objs if name_class(o) == cls and o != self.held]
+
+
+class MemexExpertEngine(ScriptedEngine):
+    """The Memex expert as an engine: each request's episode (`req.state`) decides the next turn."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer, {})
+        self.unseen_names = 0  # actions naming something neither in the context nor in the store
+
+    def generate(self, requests: list[GenerationRequest]):
+        for req in requests:
+            if req.state is None:
+                raise ValueError("MemexExpertEngine needs the episode in GenerationRequest.state")
+            text = self.next_turn(req.state, req.max_new_tokens)
+            if text is not None:  # None: no plan left, the script runs out and the episode ends
+                self.scripts.setdefault(req.episode_id, []).append(text)
+        return super().generate(requests)
+
+    def release(self, episode_id: str) -> None:
+        super().release(episode_id)
+        self.scripts.pop(episode_id, None)
+
+    # --- one turn ---------------------------------------------------------------------------------
+    def next_turn(self, ep, budget: int) -> str | None:
+        """The assistant text of the episode's next turn, within `budget` tokens."""
+        steps = ep.traj.steps
+        notes = WorldNotes.from_steps(steps)
+        if not notes.looked:
+            return self._fit(["I should look around first to see the room and its receptacles."],
+                             EXECUTE_ACTION, {"action": "look"}, budget)
+        plan = list(ep.last_info.get("expert_plan") or [])
+        if not plan or plan[0] == "look":
+            log.debug("episode %s: the handcoded expert has no plan left", ep.id)
+            return None
+        action = plan[0]
+        targets = Targets.of_game(ep.traj.game)
+        if self._should_compress(ep, notes):
+            text = self._compress(ep, notes, targets, budget)
+            if text is not None:
+                return text
+        context = "\n\n".join(m["content"] for m in ep.context.messages[1:])
+        missing = [n for n in action_names(action) if not mentions(context, n)]
+        if missing:
+            index = self._block_to_read(ep.store, missing, notes.read_in_segment)
+            if index is not None:
+                thought = (f"I need the exact name of the {name_class(missing[0])}; my archived block "
+                           f"'{index}' has it, so I read it back instead of exploring again.")
+                return self._fit([thought, "Read it back."], READ, {"db_index": index}, budget)
+            self.unseen_names += 1
+            log.debug("episode %s: %r names %s, seen nowhere", ep.id, action, missing)
+        return self._fit([act_thought(action, notes, targets), ""], EXECUTE_ACTION, {"action": action}, budget)
+
+    def _should_compress(self, ep, notes: WorldNotes) -> bool:
+        if notes.env_since_compress < 1:
+            return False  # never twice without acting in between
+        threshold = ep.cfg.memory.threshold * ep.cfg.memory.warn_ratio
+        if ep.context.working_tokens > threshold:
+            return True
+        return notes.milestone is not None and notes.env_since_compress >= MIN_STEPS_BETWEEN_COMPRESSIONS
+
+    @staticmethod
+    def _block_to_read(store, names: list[str], already: set[str]) -> str | None:
+        """The smallest archived block that names all (else most) of `names`, not read in this segment."""
+        best: tuple[int, int, str] | None = None
+        for index in store.indices():
+            if index in already:
+                continue
+            block = store.read(index)
+            hits = sum(mentions(block.content, n) for n in names)
+            if hits and (best is None or (-hits, len(block.content)) < best[:2]):
+                best = (-hits, len(block.content), index)
+        return best[2] if best else None
+
+    def _compress(self, ep, notes: WorldNotes, targets: Targets, budget: int) -> str | None:
+        """A CompressExperience turn, at the most detail that fits the token budget (None if none fits)."""
+        context_text = ep.context.working_text()
+        anchored = []
+        if notes.room_in_segment:
+            anchored.append(anchor_block(ROOM_INDEX, notes.room, context_text, "Looking quickly around you"))
+        for cls in targets.interesting():
+            seen = [(r, b) for r, b in notes.segment_obs if any(name_class(o) == cls for o in seen_items(b) or [])]
+            if seen:
+                recep, body = seen[-1]
+                mid = next(o for o in seen_items(body) or [] if name_class(o) == cls)
+                anchored.append(anchor_block(index_for(f"{cls}_seen"), body, context_text, mid))
+        anchored = [b for b in anchored if b is not None]
+        working, threshold = ep.context.working_tokens, ep.cfg.memory.threshold
+        if notes.milestone:
+            why = f"I {notes.milestone}: a good point to compress my context and archive the details."
+        else:
+            why = f"My working context ({working} tokens) is near the threshold {threshold}; I compress it."
+        existing = ep.store.indices()
+        for detail in (3, 2, 1, 0):  # the most detail that fits the budget
+            blocks = anchored[: {3: None, 2: None, 1: 1, 0: 0}[detail]]
+            blocks.append({"db_index": FACTS_INDEX, "db_content": facts_text(notes, targets, full=detail >= 2)})
+            indices = existing + [b["db_index"] for b in blocks if b["db_index"] not in existing]
+            summary = summary_text(ep.traj.task_type, notes, targets, indices, detail)
+            text = self._fit([why] if detail else [], COMPRESS, {"summary": summary, "db_blocks": blocks}, budget)
+            if text is not None:
+                return text
+        return None
+
+    def _fit(self, thoughts: list[str], name: str, arguments: dict, budget: int) -> str | None:
+        """Thought + one tool call, with the first thought (then none) that fits `budget` tokens."""
+        call = "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+        for thought in [*thoughts, ""]:
+            text = f"{thought}\n{call}" if thought else call
+            if len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + 1 <= budget:
+                return text
+        if name != COMPRESS:  # an action must go out: the engine cuts it (a format error) rather than stall
+            log.warning("a %s call does not fit in %d new tokens", name, budget)
+            return call
+        return None
+
+
+# --- texts ----------------------------------------------------------------------------------------
+def index_for(text: str) -> str:
+    """A valid experience index from free text (1-64 characters of [A-Za-z0-9_-])."""
+    return (re.sub(r"[^A-Za-z0-9_-]+", "_", text).strip("_") or "block")[:64]
+
+
+def anchor_block(index: str, body: str, context_text: str, mid: str) -> dict | None:
+    """An anchor-mode block that makes anchors.py copy exactly `body` from the context (checked here)."""
+    words = body.split(" ")
+    if mid not in body:
+        mid = words[len(words) // 2]
+    for n_start, n_end in ((6, 3), (8, 5), (12, 8), (len(words), len(words))):
+        start, end = " ".join(words[:n_start]), " ".join(words[-n_end:])
+        if extract_span(context_text, start, mid, end) == body:
+            return {"db_index": index, "start_anchor": start, "mid_anchor": mid, "end_anchor": end}
+    log.debug("no anchors copy %r exactly; block %s skipped", body[:60], index)
+    return None
+
+
+def summary_text(task_type: str, notes: WorldNotes, targets: Targets, indices: list[str], detail: int = 3) -> str:
+    """Progress, next step and the index map: one line per index, saying what it holds (memex.md).
+
+    Less `detail` (to fit a small generation budget) drops the list of checked receptacles and
+    shortens the index descriptions; every index is always listed.
+    """
+    lines = [f"Progress: {'; '.join(notes.done) or 'searching'}. Holding: {notes.held or 'nothing'}."]
+    if detail >= 3 and notes.checked:
+        lines.append("Checked: " + ", ".join(notes.checked) + ".")
+    lines.append(f"Next: {next_goal(task_type, notes, targets)}.")
+    lines.append("Index map:")
+    lines.extend(f"- {i}: {describe_index(i, short=detail < 2)}" for i in indices)
+    return "\n".join(lines)
+
+
+def describe_index(index: str, short: bool = False) -> str:
+    """What a block of the expert's holds, for the index map."""
+    if index == ROOM_INDEX:
+        return "receptacle names" if short else "room overview from look (all receptacle names)"
+    if index == FACTS_INDEX:
+        return "exact IDs" if short else "exact IDs: what I hold, where the targets are, what I checked"
+    if index.endswith("_seen"):
+        what = index.removesuffix("_seen")
+        return f"where the {what} is" if short else f"observation where I saw a {what}"
+    return "archived notes"
+
+
+def facts_text(notes: WorldNotes, targets: Targets, full: bool) -> str:
+    """Derived facts with exact IDs (explicit mode)."""
+    held = notes.held or "nothing"
+    if notes.held and notes.states.get(notes.held):
+        held += f" ({', '.join(notes.states[notes.held])})"
+    lines = [f"holding: {held}"]
+    for cls in targets.interesting():
+        where = notes.where_seen(cls)
+        if where:
+            lines.append(f"{cls} seen: " + ", ".join(f"{o} in/on {r}" for o, r in where[:4]))
+    lines.extend(f"placed: {o} in/on {r}" for o, r in notes.placed)
+    if full and notes.checked:
+        lines.append("checked: " + ", ".join(notes.checked))
+    return "\n".join(lines)
+
+
+def next_goal(task_type: str, notes: WorldNotes, targets: Targets) -> str:
+    """The next subgoal in words, from the task type and what is done."""
+    obj, parent = targets.obj or "target", targets.parent or "its place"
+    if task_type == "look_at_obj_in_light":
+        return f"find a {obj}" if not notes.held else f"find the {targets.toggle or 'lamp'} and turn it on"
+    if not notes.held:
+        second = task_type == "pick_two_obj_and_place" and notes.placed
+        return f"find a {'second ' if second else ''}{obj}"
+    need = _NEEDS.get(task_type)
+    if need and _TRANSFORMS[need] not in notes.states.get(notes.held, []):
+        return f"{need} {notes.held} with the {_APPLIANCE[need]}"
+    return f"put {notes.held} in/on the {parent}"
+
+
+def act_thought(action: str, notes: WorldNotes, targets: Targets) -> str:
+    """One sentence saying why the next env action."""
+    verb, names = action.split(" ", 1)[0], action_names(action)
+    obj = targets.obj or "target"
+    if verb == "go" and names:
+        place = names[0]
+        if notes.held:
+            return f"I have the {notes.held}; next I go to {place}."
+        if any(name_class(o) == obj for o in notes.contents.get(place, [])):
+            return f"I saw a {obj} at {place}; I go back there."
+        return f"I am looking for a {obj}; let me check {place}."
+    if verb == "open" and names:
+        return f"{names[0]} is closed; I open it to look inside."
+    if verb == "close" and names:
+        return f"Nothing I need in {names[0]}; I close it."
+    if verb == "take" and len(names) == 2:
+        return f"There is {names[0]} at {names[1]}; I take it."
+    if verb == "move" and len(names) == 2:
+        return f"I put the {names[0]} in/on {names[1]}."
+    if verb in _TRANSFORMS and len(names) == 2:
+        return f"I {verb} the {names[0]} with {names[1]}."
+    if verb == "use" and names:
+        return f"I turn on {names[0]} to look at the {notes.held or obj} under its light."
+    if verb == "examine" and names:
+        return f"I examine {names[0]} to see what is there."
+    return f"Next I do: {action}."

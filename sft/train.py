@@ -1,0 +1,153 @@
+"""`memexrl sft`: the SFT warm start with TRL's SFTTrainer (memex.md "Training").
+
+Assistant-only loss on the segments of successful Memex demonstrations (sft/dataset.py),
+LoRA through PEFT or full fine-tuning, packing off. Runs on the CPU (`use_cpu`, float32) and,
+unchanged, on GPUs under `accelerate launch` / DeepSpeed (`sft.deepspeed`). Writes the run
+directory of design.md: config.yaml (resolved), metrics.jsonl, checkpoints/step-N (adapter or
+full model in HF format, written to a temp dir and renamed), wandb/ (offline unless logged in).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from memexrl.config import Config
+from memexrl.errors import MemexError
+from memexrl.models import load_policy, resolve_device
+from memexrl.seeding import seed_everything
+from sft.dataset import build_dataset
+
+log = logging.getLogger(__name__)
+
+TRAIN_COLUMNS = ("input_ids", "assistant_masks")
+
+
+def save_checkpoint(model, tokenizer, run_dir: Path, step: int, extra: dict[str, Any] | None = None) -> Path:
+    """Write RUN/checkpoints/step-N atomically: a temp dir, then one rename."""
+    final = run_dir / "checkpoints" / f"step-{step}"
+    tmp = run_dir / "checkpoints" / f".tmp-step-{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(extra or {})}, indent=1))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
+def _callbacks(run_dir: Path, save_steps: int, tokenizer):
+    """TrainerCallbacks: metrics.jsonl lines, and our atomic checkpoints every save_steps and at the end."""
+    from transformers import TrainerCallback
+
+    class RunDirCallback(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and state.is_world_process_zero:
+                record = {"step": state.global_step, "epoch": state.epoch, **logs}
+                if "learning_rate" in record:
+                    record["lr"] = record["learning_rate"]
+                with open(run_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(record) + "\n")
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            last = state.global_step >= state.max_steps
+            if state.is_world_process_zero and (last or state.global_step % save_steps == 0):
+                save_checkpoint(model, tokenizer, run_dir, state.global_step, {"epoch": state.epoch})
+
+    return [RunDirCallback()]
+
+
+def _wandb(enabled: bool, run_dir: Path) -> list[str]:
+    if not enabled:
+        return []
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        log.warning("wandb is not installed: logging to metrics.jsonl only")
+        return []
+    os.environ.setdefault("WANDB_DIR", str(run_dir))
+    os.environ.setdefault("WANDB_PROJECT", "memexrl")
+    if not os.environ.get("WANDB_API_KEY"):
+        os.environ.setdefault("WANDB_MODE", "offline")
+    return ["wandb"]
+
+
+def prepare_run_dir(cfg: Config, run_dir: Path) -> None:
+    """A fresh run directory with the resolved config (an earlier run's files are replaced)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    cfg.save(run_dir / "config.yaml")
+
+
+def run_sft(cfg: Config) -> Path:
+    """Train, checkpoint and return the final checkpoint directory."""
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    s = cfg.sft
+    if not s.demos:
+        raise MemexError("sft.demos is not set: point it at demos.jsonl from `memexrl expert --out DIR`")
+    run_dir = Path(s.output_dir)
+    prepare_run_dir(cfg, run_dir)
+    seed_everything(cfg.seed)
+    data = build_dataset(s.demos, s.validation_fraction, s.max_length)
+    model, tokenizer = load_policy(cfg.model, for_training=True)
+    on_cpu = resolve_device(cfg.model.device).type == "cpu"
+    if on_cpu and s.bf16:
+        raise MemexError("sft.bf16=true needs a GPU; set sft.bf16=false on the CPU")
+    targets = s.lora_target_modules if s.lora_target_modules == "all-linear" else s.lora_target_modules.split(",")
+    peft_config = (
+        LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=s.lora_dropout, target_modules=targets,
+                   task_type="CAUSAL_LM")
+        if s.lora else None
+    )
+    has_val = "validation" in data
+    args = SFTConfig(
+        output_dir=str(run_dir / "trainer"),
+        num_train_epochs=s.epochs,
+        max_steps=s.max_steps,
+        learning_rate=s.learning_rate,
+        weight_decay=s.weight_decay,
+        warmup_steps=s.warmup_ratio,  # a float in [0, 1) is a ratio of the total steps
+        lr_scheduler_type="cosine",
+        per_device_train_batch_size=s.per_device_batch_size,
+        per_device_eval_batch_size=s.per_device_batch_size,
+        gradient_accumulation_steps=s.gradient_accumulation_steps,
+        gradient_checkpointing=s.gradient_checkpointing,
+        logging_steps=s.logging_steps,
+        save_strategy="no",  # our callback writes atomic checkpoints into RUN/checkpoints/
+        eval_strategy=("steps" if s.eval_steps else "no") if has_val else "no",
+        eval_steps=s.eval_steps or None,
+        max_length=s.max_length,
+        packing=False,
+        use_cpu=on_cpu,
+        bf16=s.bf16,
+        deepspeed=s.deepspeed or None,
+        report_to=_wandb(s.wandb, run_dir),
+        run_name=run_dir.name,
+        seed=cfg.seed,
+        dataloader_num_workers=0,
+        disable_tqdm=False,
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=data["train"].select_columns(list(TRAIN_COLUMNS)),
+        eval_dataset=data["validation"].select_columns(list(TRAIN_COLUMNS)) if has_val else None,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=_callbacks(run_dir, s.save_steps, tokenizer),
+    )
+    trainer.train()
+    if has_val:
+        metrics = trainer.evaluate()
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": trainer.state.global_step, **metrics}) + "\n")
+    final = run_dir / "checkpoints" / f"step-{trainer.state.global_step}"
+    log.info("SFT done: %d steps, checkpoint %s", trainer.state.global_step, final)
+    return final

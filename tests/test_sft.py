@@ -1,0 +1,122 @@
+"""SFT data and the warm start: segment conversations equal the agent loop's contexts,
+assistant-only masks, a deterministic split by game, and a tiny TRL run end to end."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import json
+
+import pytest
+import yaml
+
+from envs.data import resolve_game
+from memexrl.config import load_config
+from memexrl.errors import MemexError
+from rollout.engines import ScriptedEngine
+from rollout.runner import make_renderer, open_envs, run_episodes
+from sft.dataset import build_dataset, game_id, load_demonstrations, segment_rows, split_games
+
+
+def call(name, **arguments):
+    return "Next.\n<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+SCRIPT = [
+    call("execute_action", action="look"),
+    call("CompressExperience", summary="room: the overview",
+         db_blocks=[{"db_index": "room", "start_anchor": "You are in", "mid_anchor": "you see", "end_anchor": "."}]),
+    call("ReadExperience", db_index="room"),
+    call("execute_action", action="inventory"),
+]
+
+
+@pytest.fixture(scope="module")
+def demos_file(tmp_path_factory, alfworld_data, smol_tokenizer):
+    """Real replays on four valid_seen games written as demos.jsonl (marked successful for the data tests)."""
+    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "memory.threshold=1000"])
+    jobs = [(f"d{i}", str(resolve_game(f"valid_seen:{i}", alfworld_data))) for i in range(4)]
+    engine = ScriptedEngine(smol_tokenizer, {eid: SCRIPT for eid, _ in jobs})
+    with open_envs(cfg, 0) as envs:
+        trajs = run_episodes(jobs, engine, envs, make_renderer(smol_tokenizer, cfg), cfg)
+    path = tmp_path_factory.mktemp("demos") / "demos.jsonl"
+    with open(path, "w") as f:
+        for t in trajs:
+            f.write(json.dumps({**t.to_json(with_tokens=True), "success": True}) + "\n")
+    return path, trajs, make_renderer(smol_tokenizer, cfg)
+
+
+def test_segment_rows_are_the_loop_contexts_with_assistant_masks(demos_file):
+    path, trajs, renderer = demos_file
+    rows, counts = segment_rows(load_demonstrations(path), max_length=8192)
+    assert counts["segments"] == sum(len(t.segments) for t in trajs) == 8 and len(rows) == 8
+    for row, seg in zip(rows, [s for t in trajs for s in t.segments]):
+        assert row["input_ids"] == seg.prompt_ids + seg.completion_ids
+        messages = json.loads(row["messages"])
+        assert messages == seg.messages  # exactly the context the loop built
+        # Masked-in tokens are exactly the assistant turns; everything else is masked out.
+        trained = renderer.decode([t for t, m in zip(row["input_ids"], row["assistant_masks"]) if m])
+        assistant = "".join(m["content"] + renderer.eos_text for m in messages if m["role"] == "assistant")
+        assert trained == assistant
+        assert row["assistant_masks"][: len(seg.prompt_ids)] == [0] * len(seg.prompt_ids)
+    # Segment 2 starts from [system, task, summary].
+    assert [m["role"] for m in json.loads(rows[1]["messages"])][:3] == ["system", "user", "user"]
+
+
+def test_split_is_by_game_and_deterministic(demos_file):
+    path, trajs, _ = demos_file
+    games = [t.game for t in trajs]
+    train, val = split_games(games, 0.25)
+    assert len(val) == 1 and len(train) == 3 and not train & val
+    assert split_games(list(reversed(games)), 0.25) == (train, val)
+    data = build_dataset(path, validation_fraction=0.25)
+    assert {r["game"] for r in data["validation"]} == val
+    assert {r["game"] for r in data["train"]} == train
+    assert game_id("/x/json_2.1.1/valid_seen/task-A/trial_1/game.tw-pddl") == "valid_seen/task-A/trial_1"
+
+
+def test_too_long_segments_are_dropped_and_counted(demos_file):
+    path, _, _ = demos_file
+    rows, counts = segment_rows(load_demonstrations(path), max_length=600)
+    assert counts["too_long"] > 0 and all(len(r["input_ids"]) <= 600 for r in rows)
+
+
+def test_bad_demonstration_files(tmp_path):
+    with pytest.raises(MemexError, match="memexrl expert"):
+        load_demonstrations(tmp_path / "none.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"game": "g"}\n')
+    with pytest.raises(MemexError, match="line 1: missing field 'task_type'"):
+        load_demonstrations(bad)
+    no_tokens = tmp_path / "plain.jsonl"
+    no_tokens.write_text(json.dumps({"game": "g", "task_type": "t", "success": True, "steps": [],
+                                     "segments": [{"first_step": 0}]}) + "\n")
+    with pytest.raises(MemexError, match="regenerate the demonstrations"):
+        load_demonstrations(no_tokens)
+
+
+@pytest.mark.slow
+def test_tiny_sft_run_end_to_end(demos_file, tmp_path, alfworld_data):
+    """TRL SFT with LoRA on the real SmolLM2 for two steps: run dir, metrics, an adapter that loads."""
+    from memexrl.models import load_policy
+    from sft.train import run_sft
+
+    path, _, _ = demos_file
+    run = tmp_path / "run"
+    cfg = load_config(None, [
+        f"env.data_dir={alfworld_data}", "model.device=cpu", f"sft.demos={path}", f"sft.output_dir={run}",
+        "sft.max_steps=2", "sft.logging_steps=1", "sft.per_device_batch_size=1", "sft.max_length=1200",
+        "sft.validation_fraction=0.25", "sft.wandb=false", "sft.save_steps=1",
+    ])
+    checkpoint = run_sft(cfg)
+    assert checkpoint == run / "checkpoints" / "step-2" and (checkpoint / "adapter_config.json").is_file()
+    assert (run / "checkpoints" / "step-1").is_dir()
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["sft"]["max_steps"] == 2
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert len(losses) == 2 and all(loss > 0 for loss in losses)
+    assert any("eval_loss" in m for m in metrics)
+    model, tokenizer = load_policy(cfg.model.__class__(name=str(checkpoint), device="cpu"))
+    assert tokenizer.eos_token == "<|im_end|>" and not hasattr(model, "peft_config")  # merged for inference
