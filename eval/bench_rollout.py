@@ -77,7 +77,7 @@ def format_rollout_overhead(r: dict) -> str:
         f"rollout of {r['episodes']} episodes, {r['turns']} turns, {r['wall_s']:.1f} s wall",
         f"  model (generation)        {100 * r['model_share']:5.1f} %  ({r['generated_tokens_per_s']:.1f} tokens/s)",
         f"  env workers               {100 * r['env_share']:5.1f} %",
-        f"  framework (parse, context, tokenise, rewards) {100 * r['framework_share']:5.1f} %"
+        f"  framework (parse, context, tokenise, rewards) {100 * r['framework_share']:5.2f} %"
         f"  ({r['framework_ms_per_turn']:.2f} ms per turn)",
     ])
 

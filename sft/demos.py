@@ -8,6 +8,7 @@ memory-tool use per episode, and the failures by end reason.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import statistics
@@ -16,7 +17,7 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from envs.data import list_games
+from envs.data import list_games, task_type_of
 from memexrl.config import Config
 from memexrl.errors import MemexError
 from memexrl.trajectory import Trajectory
@@ -79,16 +80,37 @@ def run_expert(
     return trajs, engine
 
 
+def ordered_games(split: str, data_dir: str = "", order: str = "sorted") -> list[Path]:
+    """The games of a split in a deterministic order: `sorted` (list_games: grouped by task type, so the
+    first N of train are all look_at_obj_in_light) or `mixed` (task types taken in turn, each sorted)."""
+    games = list_games(split, data_dir)
+    if order == "sorted":
+        return games
+    if order != "mixed":
+        raise MemexError(f"unknown game order {order!r}: use sorted or mixed")
+    by_type: dict[str, list[Path]] = defaultdict(list)
+    for game in games:
+        by_type[task_type_of(game)].append(game)
+    return [g for row in itertools.zip_longest(*by_type.values()) for g in row if g is not None]
+
+
 def make_demonstrations(
-    cfg: Config, split: str, n_games: int, workers: int | None = None, tokenizer=None, progress: bool = True
+    cfg: Config,
+    split: str,
+    n_games: int,
+    workers: int | None = None,
+    tokenizer=None,
+    progress: bool = True,
+    order: str = "sorted",
 ) -> tuple[list[Trajectory], dict]:
-    """Play the Memex expert on the first `n_games` games of `split`; return (successful trajectories, report).
+    """Play the Memex expert on the first `n_games` games of `split` (in `order`, see `ordered_games`);
+    return (successful trajectories, report).
 
     `tokenizer` defaults to the config's policy tokenizer (`memexrl.models.load_tokenizer(cfg.model)`).
     """
     if n_games < 1:
         raise MemexError(f"the number of games must be >= 1, got {n_games}")
-    games = list_games(split, cfg.env.data_dir)[:n_games]
+    games = ordered_games(split, cfg.env.data_dir, order)[:n_games]
     if tokenizer is None:
         from memexrl.models import load_tokenizer
 
@@ -97,6 +119,7 @@ def make_demonstrations(
     trajs, engine = run_expert(cfg, games, tokenizer, workers, progress=progress)
     report = {
         "split": split,
+        "order": order,
         **demo_report(trajs),
         "unseen_names": engine.unseen_names,
         "seconds": round(time.perf_counter() - start, 1),

@@ -5,8 +5,8 @@ handcoded ALFWorld expert's plan (`info["expert_plan"]`), and wraps its env acti
 behaviour the policy should learn:
 
 - `look` once, first (the env never offers a second one: envs/alfworld.py);
-- `CompressExperience` at natural phase boundaries (object picked up, put down, heated, cooled,
-  cleaned, sliced, lamp turned on) and whenever W passes warn_ratio * T (memex.md "Context status"),
+- `CompressExperience` at natural phase boundaries (target found and picked up, object put down,
+  heated, cooled, cleaned, sliced; at least MIN_STEPS_BETWEEN_COMPRESSIONS env actions apart) and whenever W passes warn_ratio * T (memex.md "Context status"),
   with an index-map summary that names every index of the store (memex.md: carry indices over);
 - exact evidence archived by anchor mode (the room overview from `look`, the observations where
   the target objects were seen: start/mid/end anchors copied from the working context and checked
@@ -24,6 +24,7 @@ observations seen so far (`WorldNotes`), the goal, and the task's target classes
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -88,7 +89,7 @@ def body_of(observation: str) -> str:
     return observation.split(_STATUS_SPLIT, 1)[0]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Targets:
     """The task's classes (from the game's traj_data.json: the goal says the same in words)."""
 
@@ -97,6 +98,7 @@ class Targets:
     toggle: str = ""
 
     @classmethod
+    @functools.lru_cache(maxsize=256)
     def of_game(cls, game: str) -> Targets:
         try:
             params = json.loads((Path(game).parent / "traj_data.json").read_text())["pddl_params"]
@@ -117,6 +119,7 @@ class WorldNotes:
     contents: dict[str, list[str]] = field(default_factory=dict)  # receptacle -> objects last seen there
     checked: list[str] = field(default_factory=list)  # receptacles whose contents were seen
     held: str | None = None
+    location: str = ""  # the receptacle the agent went to last
     states: dict[str, list[str]] = field(default_factory=dict)  # object -> heated / cooled / ...
     placed: list[tuple[str, str]] = field(default_factory=list)
     done: list[str] = field(default_factory=list)  # milestones, in words
@@ -155,6 +158,8 @@ class WorldNotes:
             return
         names = action_names(action)
         verb = action.split(" ", 1)[0]
+        if verb == "go" and names:
+            self.location = names[0]
         items = seen_items(body)
         if items is not None and verb in ("go", "open", "examine") and names:
             self.contents[names[0]] = items
@@ -237,8 +242,8 @@ class MemexExpertEngine(ScriptedEngine):
         return self._fit([act_thought(action, notes, targets), ""], EXECUTE_ACTION, {"action": action}, budget)
 
     def _should_compress(self, ep, notes: WorldNotes) -> bool:
-        if notes.env_since_compress < 1:
-            return False  # never twice without acting in between
+        if notes.env_since_compress < 1 or ep.traj.steps[-1].tool == READ:
+            return False  # never twice without acting in between, nor between a read and the action it serves
         threshold = ep.cfg.memory.threshold * ep.cfg.memory.warn_ratio
         if ep.context.working_tokens > threshold:
             return True
@@ -246,27 +251,29 @@ class MemexExpertEngine(ScriptedEngine):
 
     @staticmethod
     def _block_to_read(store, names: list[str], already: set[str]) -> str | None:
-        """The smallest archived block that names all (else most) of `names`, not read in this segment."""
-        best: tuple[int, int, str] | None = None
+        """The archived block, not read in this segment, that names all (else most) of `names`: the room
+        overview first (it names every receptacle the next actions may need), else the smallest."""
+        best: tuple[int, bool, int, str] | None = None
         for index in store.indices():
             if index in already:
                 continue
             block = store.read(index)
             hits = sum(mentions(block.content, n) for n in names)
-            if hits and (best is None or (-hits, len(block.content)) < best[:2]):
-                best = (-hits, len(block.content), index)
-        return best[2] if best else None
+            rank = (-hits, index != ROOM_INDEX, len(block.content), index)
+            if hits and (best is None or rank < best):
+                best = rank
+        return best[3] if best else None
 
     def _compress(self, ep, notes: WorldNotes, targets: Targets, budget: int) -> str | None:
         """A CompressExperience turn, at the most detail that fits the token budget (None if none fits)."""
         context_text = ep.context.working_text()
         anchored = []
         if notes.room_in_segment:
-            anchored.append(anchor_block(ROOM_INDEX, notes.room, context_text, "Looking quickly around you"))
+            anchored.append(anchor_block(ROOM_INDEX, notes.room, context_text, "Looking"))
         for cls in targets.interesting():
             seen = [(r, b) for r, b in notes.segment_obs if any(name_class(o) == cls for o in seen_items(b) or [])]
             if seen:
-                recep, body = seen[-1]
+                body = seen[-1][1]
                 mid = next(o for o in seen_items(body) or [] if name_class(o) == cls)
                 anchored.append(anchor_block(index_for(f"{cls}_seen"), body, context_text, mid))
         anchored = [b for b in anchored if b is not None]
@@ -276,12 +283,14 @@ class MemexExpertEngine(ScriptedEngine):
         else:
             why = f"My working context ({working} tokens) is near the threshold {threshold}; I compress it."
         existing = ep.store.indices()
-        for detail in (3, 2, 1, 0):  # the most detail that fits the budget
-            blocks = anchored[: {3: None, 2: None, 1: 1, 0: 0}[detail]]
-            blocks.append({"db_index": FACTS_INDEX, "db_content": facts_text(notes, targets, full=detail >= 2)})
+        facts = {"db_index": FACTS_INDEX, "db_content": facts_text(notes, targets, full=True)}
+        short = {"db_index": FACTS_INDEX, "db_content": facts_text(notes, targets, full=False)}
+        # The most detail that fits the budget; the room overview is dropped last (later reads need it).
+        for detail, blocks in ((2, [*anchored, facts]), (1, [*anchored[:1], short]), (0, anchored[:1] or [short])):
             indices = existing + [b["db_index"] for b in blocks if b["db_index"] not in existing]
             summary = summary_text(ep.traj.task_type, notes, targets, indices, detail)
-            text = self._fit([why] if detail else [], COMPRESS, {"summary": summary, "db_blocks": blocks}, budget)
+            thoughts = [why, "Time to compress."] if detail == 2 else ["Time to compress."]
+            text = self._fit(thoughts, COMPRESS, {"summary": summary, "db_blocks": blocks}, budget)
             if text is not None:
                 return text
         return None
@@ -310,7 +319,7 @@ def anchor_block(index: str, body: str, context_text: str, mid: str) -> dict | N
     words = body.split(" ")
     if mid not in body:
         mid = words[len(words) // 2]
-    for n_start, n_end in ((6, 3), (8, 5), (12, 8), (len(words), len(words))):
+    for n_start, n_end in ((3, 2), (5, 3), (8, 5), (12, 8), (len(words), len(words))):  # shortest first
         start, end = " ".join(words[:n_start]), " ".join(words[-n_end:])
         if extract_span(context_text, start, mid, end) == body:
             return {"db_index": index, "start_anchor": start, "mid_anchor": mid, "end_anchor": end}
@@ -318,19 +327,33 @@ def anchor_block(index: str, body: str, context_text: str, mid: str) -> dict | N
     return None
 
 
-def summary_text(task_type: str, notes: WorldNotes, targets: Targets, indices: list[str], detail: int = 3) -> str:
+def summary_text(task_type: str, notes: WorldNotes, targets: Targets, indices: list[str], detail: int = 2) -> str:
     """Progress, next step and the index map: one line per index, saying what it holds (memex.md).
 
-    Less `detail` (to fit a small generation budget) drops the list of checked receptacles and
-    shortens the index descriptions; every index is always listed.
+    Exact IDs beyond the held object and the current place stay in the store (the facts block lists what was checked),
+    so that acting on them later means reading them back. Less `detail` (to fit a small generation
+    budget) shortens progress and the index descriptions; every index is always listed.
     """
-    lines = [f"Progress: {'; '.join(notes.done) or 'searching'}. Holding: {notes.held or 'nothing'}."]
-    if detail >= 3 and notes.checked:
-        lines.append("Checked: " + ", ".join(notes.checked) + ".")
+    state = f"Holding: {held_text(notes)}." + (f" At: {notes.location}." if notes.location else "")
+    if detail >= 2:
+        lines = [f"Progress: {'; '.join(notes.done) or 'searching'}. {state}"]
+    else:
+        lines = [state + "".join(f" Placed {o} in/on {r}." for o, r in notes.placed)]
     lines.append(f"Next: {next_goal(task_type, notes, targets)}.")
     lines.append("Index map:")
     lines.extend(f"- {i}: {describe_index(i, short=detail < 2)}" for i in indices)
     return "\n".join(lines)
+
+
+def with_article(noun: str) -> str:
+    """'a mug', 'an apple'."""
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+
+
+def held_text(notes: WorldNotes) -> str:
+    """'apple 1 (heated)', or 'nothing'."""
+    states = notes.states.get(notes.held or "")
+    return f"{notes.held} ({', '.join(states)})" if notes.held and states else notes.held or "nothing"
 
 
 def describe_index(index: str, short: bool = False) -> str:
@@ -341,20 +364,17 @@ def describe_index(index: str, short: bool = False) -> str:
         return "exact IDs" if short else "exact IDs: what I hold, where the targets are, what I checked"
     if index.endswith("_seen"):
         what = index.removesuffix("_seen")
-        return f"where the {what} is" if short else f"observation where I saw a {what}"
+        return f"where the {what} is" if short else f"observation where I saw {with_article(what)}"
     return "archived notes"
 
 
 def facts_text(notes: WorldNotes, targets: Targets, full: bool) -> str:
     """Derived facts with exact IDs (explicit mode)."""
-    held = notes.held or "nothing"
-    if notes.held and notes.states.get(notes.held):
-        held += f" ({', '.join(notes.states[notes.held])})"
-    lines = [f"holding: {held}"]
+    lines = [f"holding: {held_text(notes)}"]
     for cls in targets.interesting():
         where = notes.where_seen(cls)
         if where:
-            lines.append(f"{cls} seen: " + ", ".join(f"{o} in/on {r}" for o, r in where[:4]))
+            lines.append(f"{cls} seen: " + ", ".join(f"{o} in/on {r}" for o, r in where[: 4 if full else 1]))
     lines.extend(f"placed: {o} in/on {r}" for o, r in notes.placed)
     if full and notes.checked:
         lines.append("checked: " + ", ".join(notes.checked))
@@ -365,10 +385,10 @@ def next_goal(task_type: str, notes: WorldNotes, targets: Targets) -> str:
     """The next subgoal in words, from the task type and what is done."""
     obj, parent = targets.obj or "target", targets.parent or "its place"
     if task_type == "look_at_obj_in_light":
-        return f"find a {obj}" if not notes.held else f"find the {targets.toggle or 'lamp'} and turn it on"
+        return f"find {with_article(obj)}" if not notes.held else f"find the {targets.toggle or 'lamp'} and turn it on"
     if not notes.held:
         second = task_type == "pick_two_obj_and_place" and notes.placed
-        return f"find a {'second ' if second else ''}{obj}"
+        return "find " + with_article(f"second {obj}" if second else obj)
     need = _NEEDS.get(task_type)
     if need and _TRANSFORMS[need] not in notes.states.get(notes.held, []):
         return f"{need} {notes.held} with the {_APPLIANCE[need]}"
@@ -384,8 +404,8 @@ def act_thought(action: str, notes: WorldNotes, targets: Targets) -> str:
         if notes.held:
             return f"I have the {notes.held}; next I go to {place}."
         if any(name_class(o) == obj for o in notes.contents.get(place, [])):
-            return f"I saw a {obj} at {place}; I go back there."
-        return f"I am looking for a {obj}; let me check {place}."
+            return f"I saw {with_article(obj)} at {place}; I go back there."
+        return f"I am looking for {with_article(obj)}; let me check {place}."
     if verb == "open" and names:
         return f"{names[0]} is closed; I open it to look inside."
     if verb == "close" and names:
