@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", required=True, help="directory for demos.jsonl and report.json")
     exp.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
     exp.add_argument("--workers", type=int, default=None, help="env worker processes (default: env.num_workers)")
-    exp.add_argument("--order", choices=["sorted", "mixed"], default="sorted",
+    exp.add_argument("--order", choices=["sorted", "mixed"], default="mixed",
                      help="sorted: the split's sorted order (grouped by task type); mixed: task types in turn")
     exp.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
     exp.set_defaults(func=cmd_expert)

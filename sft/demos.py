@@ -121,7 +121,7 @@ def make_demonstrations(
         "split": split,
         "order": order,
         **demo_report(trajs),
-        "unseen_names": engine.unseen_names,
+        "expert_stops": dict(engine.stops),
         "seconds": round(time.perf_counter() - start, 1),
     }
     return [t for t in trajs if t.success], report

@@ -17,9 +17,11 @@ behaviour the policy should learn:
 
 Every turn is a one- or two-sentence thought followed by exactly one tool call, tokenised by
 `ScriptedEngine` as if the policy had written it; the expert writes its script turn by turn from
-the live episode (`GenerationRequest.state`). When the handcoded expert has no plan left it stops
-(the episode ends as `script_exhausted`). Only what the episode has shown goes into the texts: the
-observations seen so far (`WorldNotes`), the goal, and the task's target classes.
+the live episode (`GenerationRequest.state`). Only what the episode has shown goes into the texts:
+the observations seen so far (`WorldNotes`), the goal, and the task's target classes. The expert
+stops (the episode ends as `script_exhausted`, counted in `stops`) when the handcoded expert has no
+plan left, or when its next action names something the agent has never been shown (one of its
+random moves, which no policy could learn from the context).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import functools
 import json
 import logging
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -196,7 +199,10 @@ class MemexExpertEngine(ScriptedEngine):
 
     def __init__(self, tokenizer):
         super().__init__(tokenizer, {})
-        self.unseen_names = 0  # actions naming something neither in the context nor in the store
+        # Why episodes were stopped: "no_plan" (the handcoded expert gave up) or "unseen_name" (its next
+        # action names something neither in the context nor in the store: a random move the policy
+        # could not have made, so the demonstration ends there).
+        self.stops: Counter[str] = Counter()
 
     def generate(self, requests: list[GenerationRequest]):
         for req in requests:
@@ -222,11 +228,12 @@ class MemexExpertEngine(ScriptedEngine):
         plan = list(ep.last_info.get("expert_plan") or [])
         if not plan or plan[0] == "look":
             log.debug("episode %s: the handcoded expert has no plan left", ep.id)
+            self.stops["no_plan"] += 1
             return None
         action = plan[0]
         targets = Targets.of_game(ep.traj.game)
         if self._should_compress(ep, notes):
-            text = self._compress(ep, notes, targets, budget)
+            text = self._compress(ep, notes, targets, action, budget)
             if text is not None:
                 return text
         context = "\n\n".join(m["content"] for m in ep.context.messages[1:])
@@ -237,8 +244,9 @@ class MemexExpertEngine(ScriptedEngine):
                 thought = (f"I need the exact name of the {name_class(missing[0])}; my archived block "
                            f"'{index}' has it, so I read it back instead of exploring again.")
                 return self._fit([thought, "Read it back."], READ, {"db_index": index}, budget)
-            self.unseen_names += 1
-            log.debug("episode %s: %r names %s, seen nowhere", ep.id, action, missing)
+            log.debug("episode %s: %r names %s, seen nowhere: stopped", ep.id, action, missing)
+            self.stops["unseen_name"] += 1
+            return None
         return self._fit([act_thought(action, notes, targets), ""], EXECUTE_ACTION, {"action": action}, budget)
 
     def _should_compress(self, ep, notes: WorldNotes) -> bool:
@@ -264,19 +272,14 @@ class MemexExpertEngine(ScriptedEngine):
                 best = rank
         return best[3] if best else None
 
-    def _compress(self, ep, notes: WorldNotes, targets: Targets, budget: int) -> str | None:
-        """A CompressExperience turn, at the most detail that fits the token budget (None if none fits)."""
+    def _compress(self, ep, notes: WorldNotes, targets: Targets, action: str, budget: int) -> str | None:
+        """A CompressExperience turn, at the most detail that fits the token budget (None if none fits).
+
+        When a name of the planned `action` would be in neither the summary nor a block afterwards
+        (a small budget dropped its block), the summary says the next action exactly.
+        """
         context_text = ep.context.working_text()
-        anchored = []
-        if notes.room_in_segment:
-            anchored.append(anchor_block(ROOM_INDEX, notes.room, context_text, "Looking"))
-        for cls in targets.interesting():
-            seen = [(r, b) for r, b in notes.segment_obs if any(name_class(o) == cls for o in seen_items(b) or [])]
-            if seen:
-                body = seen[-1][1]
-                mid = next(o for o in seen_items(body) or [] if name_class(o) == cls)
-                anchored.append(anchor_block(index_for(f"{cls}_seen"), body, context_text, mid))
-        anchored = [b for b in anchored if b is not None]
+        anchored = evidence_blocks(notes, targets, context_text)
         working, threshold = ep.context.working_tokens, ep.cfg.memory.threshold
         if notes.milestone:
             why = f"I {notes.milestone}: a good point to compress my context and archive the details."
@@ -289,6 +292,11 @@ class MemexExpertEngine(ScriptedEngine):
         for detail, blocks in ((2, [*anchored, facts]), (1, [*anchored[:1], short]), (0, anchored[:1] or [short])):
             indices = existing + [b["db_index"] for b in blocks if b["db_index"] not in existing]
             summary = summary_text(ep.traj.task_type, notes, targets, indices, detail)
+            written = {b["db_index"] for b in blocks}
+            after = "\n".join([summary, *(block_content(b, context_text) for b in blocks)]
+                              + [ep.store.read(i).content for i in existing if i not in written])
+            if any(not mentions(after, n) for n in action_names(action)):
+                summary = summary.replace("\nIndex map:", f" Next action: {action}.\nIndex map:", 1)
             thoughts = [why, "Time to compress."] if detail == 2 else ["Time to compress."]
             text = self._fit(thoughts, COMPRESS, {"summary": summary, "db_blocks": blocks}, budget)
             if text is not None:
@@ -314,6 +322,20 @@ def index_for(text: str) -> str:
     return (re.sub(r"[^A-Za-z0-9_-]+", "_", text).strip("_") or "block")[:64]
 
 
+def evidence_blocks(notes: WorldNotes, targets: Targets, context_text: str) -> list[dict]:
+    """Anchor-mode blocks for the exact evidence of this segment: the room overview (if `look` is in
+    it), and for each target class the latest observation that shows one."""
+    blocks = []
+    if notes.room_in_segment:
+        blocks.append(anchor_block(ROOM_INDEX, notes.room, context_text, "Looking"))
+    for cls in targets.interesting():
+        seen = [body for _, body in notes.segment_obs if any(name_class(o) == cls for o in seen_items(body) or [])]
+        if seen:
+            mid = next(o for o in seen_items(seen[-1]) or [] if name_class(o) == cls)
+            blocks.append(anchor_block(index_for(f"{cls}_seen"), seen[-1], context_text, mid))
+    return [b for b in blocks if b is not None]
+
+
 def anchor_block(index: str, body: str, context_text: str, mid: str) -> dict | None:
     """An anchor-mode block that makes anchors.py copy exactly `body` from the context (checked here)."""
     words = body.split(" ")
@@ -325,6 +347,13 @@ def anchor_block(index: str, body: str, context_text: str, mid: str) -> dict | N
             return {"db_index": index, "start_anchor": start, "mid_anchor": mid, "end_anchor": end}
     log.debug("no anchors copy %r exactly; block %s skipped", body[:60], index)
     return None
+
+
+def block_content(block: dict, context_text: str) -> str:
+    """What a db_block will store: its db_content, or the span its anchors copy from the context."""
+    if "db_content" in block:
+        return block["db_content"]
+    return extract_span(context_text, block["start_anchor"], block["mid_anchor"], block["end_anchor"]) or ""
 
 
 def summary_text(task_type: str, notes: WorldNotes, targets: Targets, indices: list[str], detail: int = 2) -> str:
