@@ -27,19 +27,13 @@ def cmd_data(args: argparse.Namespace) -> None:
 # --- replay -------------------------------------------------------------------------------------
 def read_script(path: str | Path) -> list[str]:
     """A replay script: JSONL, one {"assistant": "<raw text>"} per turn."""
-    p = Path(path)
-    if not p.is_file():
-        raise MemexError(f"script not found: {p}; pass a JSONL file with one {{\"assistant\": ...}} per line")
+    from memexrl.jsonl import read_jsonl
+
     turns = []
-    for n, line in enumerate(p.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise MemexError(f"{p} line {n}: not valid JSON ({exc.msg}); each line must be {{\"assistant\": \"...\"}}") from None
+    shape = 'each line must be {"assistant": "..."}'
+    for n, item in read_jsonl(path, "script not found (pass a JSONL file, one assistant turn a line)", shape):
         if not isinstance(item, dict) or not isinstance(item.get("assistant"), str):
-            raise MemexError(f"{p} line {n}: expected an object with a string field \"assistant\"")
+            raise MemexError(f"{path} line {n}: expected an object with a string field \"assistant\"")
         turns.append(item["assistant"])
     return turns
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from memexrl.errors import MemexError
+from memexrl.jsonl import read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -31,16 +32,11 @@ _SEGMENT_KEYS = ("prompt_ids", "completion_ids", "loss_mask", "messages")
 def load_demonstrations(path: str | Path) -> list[dict[str, Any]]:
     """Read demos.jsonl (one trajectory JSON with tokens per line); errors name file and line."""
     p = Path(path)
-    if not p.is_file():
-        raise MemexError(f"demonstrations not found: {p}; write them with `memexrl expert --out DIR`")
     demos = []
-    for n, line in enumerate(p.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            demo = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise MemexError(f"{p} line {n}: not valid JSON ({exc.msg})") from None
+    for n, demo in read_jsonl(p, "demonstrations not found (write them with `memexrl expert --out DIR`)",
+                              "each line must be a trajectory JSON"):
+        if not isinstance(demo, dict):
+            raise MemexError(f"{p} line {n}: not a trajectory JSON object")
         missing = [k for k in _REQUIRED if k not in demo]
         if missing:
             raise MemexError(f"{p} line {n}: missing field {missing[0]!r} (not a trajectory JSON line)")
