@@ -1,9 +1,10 @@
-"""`memexrl bench env|store|rollout`: benchmarks that print ratios measured side by side in one run.
+"""`memexrl bench env|store|rollout|trainer`: benchmarks that print ratios measured side by side in one run.
 
 - env: env steps/s through the worker pool with 1 and 2 worker processes, then the share of
   rollout time spent outside the model with SmolLM2 playing real games;
 - store: experience-store writes and reads per second, in-memory vs SQLite;
-- rollout: transformers-engine generation with and without the per-episode KV cache.
+- rollout: transformers-engine generation with and without the per-episode KV cache;
+- trainer: trained tokens/s of our GRPO update path vs TRL's GRPOTrainer on the same work.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ def run(what: str, args: argparse.Namespace) -> str:
         from eval.bench_store import bench_store, format_bench_store
 
         return format_bench_store(bench_store(n_blocks=args.blocks))
+    if what == "trainer":
+        from eval.bench_trainer import bench_trainer, format_bench_trainer
+
+        return format_bench_trainer(bench_trainer(
+            args.config, getattr(args, "overrides", None), runs=args.runs, steps=args.bench_steps,
+            prompts=args.prompts, group=args.group, completion_tokens=args.completion_tokens,
+        ))
     cfg = load_config(args.config, ROLLOUT_BENCH_OVERRIDES)
     games = list_games(args.split, cfg.env.data_dir)[: args.games]
     if what == "env":

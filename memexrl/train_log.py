@@ -1,0 +1,132 @@
+"""What a GRPO run records: metrics.jsonl (design.md keys), wandb scalars and a trajectory table.
+
+metrics.jsonl, one object per rollout step (design.md "Run directory"):
+  rollout   success_rate, reward_mean, penalty_context, penalty_redundancy, penalty_format,
+            num_steps, num_redundant
+  memory    peak_working_tokens, num_compress, num_read, num_segments (means per trajectory)
+  loss      loss (aggregated objective), pg_loss, kl (k3), entropy, clip_frac, tis_clip_frac
+            (shares of trained tokens), zero_std_group_frac (dropped groups), grad_norm, lr
+  time      rollout_s, train_s
+wandb gets the same numbers under the prefixed names of WANDB_NAMES (style.md), plus a table
+of a few trajectories per step: one row per segment with its transcript, reward and advantage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+
+import torch
+
+from memexrl.config import Config
+from memexrl.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+WANDB_NAMES = {
+    "success_rate": "rollout/success", "reward_mean": "rollout/reward",
+    "penalty_context": "reward/context_penalty", "penalty_redundancy": "reward/redundancy_penalty",
+    "penalty_format": "reward/format_penalty", "num_steps": "rollout/num_steps",
+    "num_redundant": "rollout/num_redundant", "peak_working_tokens": "memory/peak_working_tokens",
+    "num_compress": "memory/num_compress", "num_read": "memory/num_read", "num_segments": "memory/num_segments",
+    "loss": "loss/total", "pg_loss": "loss/policy", "kl": "loss/kl", "entropy": "loss/entropy",
+    "clip_frac": "loss/clip_frac", "tis_clip_frac": "loss/tis_clip_frac",
+    "zero_std_group_frac": "loss/zero_std_group_frac", "grad_norm": "loss/grad_norm", "lr": "charts/lr",
+    "num_samples": "charts/num_samples", "num_updates": "charts/num_updates",
+    "rollout_s": "time/rollout_s", "train_s": "time/train_s",
+}
+
+
+def _per_trajectory(traj: Trajectory) -> list[float]:
+    s, r = traj.stats, traj.reward
+    return [float(traj.success), r["total"], r["context"], r["redundancy"], r["format"], s["num_steps"],
+            s["num_redundant"], s["peak_working_tokens"], s["num_compress"], s["num_read"], len(traj.segments)]
+
+
+_ROLLOUT_KEYS = ["success_rate", "reward_mean", "penalty_context", "penalty_redundancy", "penalty_format",
+                 "num_steps", "num_redundant", "peak_working_tokens", "num_compress", "num_read", "num_segments"]
+
+
+def rollout_metrics(trajs: list[Trajectory], accelerator=None) -> dict[str, float]:
+    """Means over every process's trajectories of the step (scored trajectories)."""
+    rows = torch.tensor([_per_trajectory(t) for t in trajs], dtype=torch.float64)  # (N, K)
+    if accelerator is not None and accelerator.num_processes > 1:
+        rows = accelerator.gather(rows.to(accelerator.device)).cpu()
+    means = rows.mean(dim=0).tolist() if len(rows) else [0.0] * len(_ROLLOUT_KEYS)
+    return dict(zip(_ROLLOUT_KEYS, means))
+
+
+def transcript(messages: list[dict], limit: int = 4000) -> str:
+    text = "\n".join(f"[{m['role']}] {m['content']}" for m in messages[1:])  # the system prompt is the same
+    return text if len(text) <= limit else text[: limit // 2] + "\n...\n" + text[-limit // 2 :]
+
+
+class RunLogger:
+    """metrics.jsonl + wandb (offline unless logged in) + plots at the end; only the main process writes."""
+
+    def __init__(self, cfg: Config, run_dir: Path, *, fresh: bool, main: bool):
+        self.cfg, self.run_dir, self.main = cfg, run_dir, main
+        self.wandb = None
+        if not main:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if fresh:
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        cfg.save(run_dir / "config.yaml")
+        if cfg.train.wandb:
+            self.wandb = self._init_wandb(fresh)
+
+    def _init_wandb(self, fresh: bool):
+        try:
+            import wandb
+        except ImportError:
+            log.warning("wandb is not installed: logging to metrics.jsonl only")
+            return None
+        if not os.environ.get("WANDB_API_KEY"):
+            os.environ.setdefault("WANDB_MODE", "offline")
+        id_file = self.run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() and not fresh else uuid.uuid4().hex[:8]
+        id_file.write_text(run_id)
+        return wandb.init(project=os.environ.get("WANDB_PROJECT", "memexrl"), dir=str(self.run_dir), id=run_id,
+                          resume="allow", name=self.run_dir.name, config=self.cfg.to_dict())
+
+    def log_step(self, metrics: dict, trajs: list[Trajectory], advantages: list[float] | None = None) -> None:
+        if not self.main:
+            return
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        log.info(
+            "step %d: success %.2f reward %.3f (ctx %.3f red %.3f fmt %.3f) peak W %.0f compress %.2f read %.2f "
+            "loss %.4f kl %.4f clip %.3f grad %.3f | rollout %.0fs train %.0fs",
+            metrics["step"], metrics["success_rate"], metrics["reward_mean"], metrics["penalty_context"],
+            metrics["penalty_redundancy"], metrics["penalty_format"], metrics["peak_working_tokens"],
+            metrics["num_compress"], metrics["num_read"], metrics["loss"], metrics["kl"], metrics["clip_frac"],
+            metrics["grad_norm"], metrics["rollout_s"], metrics["train_s"],
+        )
+        if self.wandb is None:
+            return
+        import wandb
+
+        scalars = {WANDB_NAMES.get(k, k): v for k, v in metrics.items() if k != "step"}
+        table = wandb.Table(columns=["step", "trajectory", "game", "success", "reward", "advantage", "segment",
+                                     "transcript"])
+        for i, traj in enumerate(trajs[: self.cfg.train.log_trajectories]):
+            for j, seg in enumerate(traj.segments):
+                adv = advantages[i] if advantages else 0.0
+                table.add_data(metrics["step"], i, traj.game, traj.success, traj.reward.get("total", 0.0), adv, j,
+                               transcript(seg.messages))
+        scalars["rollout/trajectories"] = table
+        self.wandb.log(scalars, step=metrics["step"])
+
+    def finish(self) -> None:
+        if not self.main:
+            return
+        if self.wandb is not None:
+            self.wandb.finish()
+        from memexrl.plot import plot_run
+
+        for path in plot_run(self.run_dir):
+            log.info("plot %s", path)

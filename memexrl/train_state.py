@@ -1,0 +1,149 @@
+"""What a resumed GRPO run needs: the task sampler and atomic trainer checkpoints.
+
+A checkpoint `RUN/checkpoints/step-N/` holds the policy in HF format (adapter or full model,
+plus the tokenizer), `optimizer.pt` and `scheduler.pt` (tensors and numbers only: loaded with
+`weights_only=True`, never unpickling code), `rng.json` + `torch_rng.pt` (Python, numpy and
+torch generator states) and `trainer_state.json` (step, sampler position, where RL started).
+It is written into a temporary directory and renamed, so a crash leaves either the whole
+checkpoint or none (design.md "Run directory").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle  # only for its error type: checkpoints load with weights_only=True
+import random
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from memexrl.errors import MemexError
+
+STATE_FILE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class TaskSampler:
+    """Games for each rollout step: a seeded permutation of the pool, re-shuffled every epoch.
+
+    Deterministic given (games, seed) and its state, so a resumed run draws the same tasks.
+    """
+
+    def __init__(self, games: list[str], seed: int):
+        if not games:
+            raise MemexError("no games to train on: check train.split / train.num_games and ALFWORLD_DATA")
+        self.games = list(games)
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.games)).tolist()
+
+    def next(self, n: int) -> list[str]:
+        out = []
+        for _ in range(n):
+            if self.position >= len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation()
+            out.append(self.games[self._order[self.position]])
+            self.position += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "num_games": len(self.games)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("num_games") != len(self.games):
+            raise MemexError(
+                f"the checkpoint's task pool had {state.get('num_games')} games, this config gives "
+                f"{len(self.games)}: resume with the same train.split / train.num_games"
+            )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation()
+
+
+def rng_state() -> tuple[dict, torch.Tensor]:
+    py = random.getstate()
+    np_state = np.random.get_state()
+    return (
+        {"python": [py[0], list(py[1]), py[2]],
+         "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]},
+        torch.get_rng_state(),
+    )
+
+
+def set_rng_state(state: dict, torch_state: torch.Tensor) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np_state = state["numpy"]
+    np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))
+    torch.set_rng_state(torch_state)
+
+
+def save_checkpoint(run_dir: Path, step: int, write_policy: Callable[[Path], None], optimizer, scheduler,
+                    state: dict) -> Path:
+    """Write RUN/checkpoints/step-N atomically (temp dir + rename) and return it."""
+    final = run_dir / "checkpoints" / f"step-{step}"
+    tmp = run_dir / "checkpoints" / f".tmp-step-{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write_policy(tmp)
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    py_np, torch_rng = rng_state()
+    (tmp / "rng.json").write_text(json.dumps(py_np))
+    torch.save(torch_rng, tmp / "torch_rng.pt")
+    (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
+def find_checkpoint(run_dir: Path, resume: str) -> Path:
+    """The checkpoint to resume: `resume` = 'latest' (newest in RUN/checkpoints) or a directory."""
+    if resume != "latest":
+        path = Path(resume).expanduser()
+        if not (path / STATE_FILE).is_file():
+            raise MemexError(f"--resume {resume}: not a GRPO checkpoint (no {STATE_FILE}); "
+                             f"pass a RUN/checkpoints/step-N directory or plain --resume")
+        return path
+    newest = newest_checkpoint(run_dir)
+    if newest is None:
+        raise MemexError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}; "
+                         f"start without --resume or set train.output_dir to the run to continue")
+    return newest
+
+
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    """RUN/checkpoints/step-N with the largest N (SFT and GRPO runs alike), or None."""
+    steps = [(int(m.group(1)), p) for p in (Path(run_dir) / "checkpoints").glob("step-*")
+             if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
+    return max(steps)[1] if steps else None
+
+
+def load_checkpoint(path: Path, optimizer, scheduler) -> dict:
+    """Restore optimizer, scheduler and RNG states in place; return trainer_state.json."""
+    try:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        set_rng_state(json.loads((path / "rng.json").read_text()), torch.load(path / "torch_rng.pt",
+                                                                              weights_only=True))
+        return json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as exc:
+        raise MemexError(f"checkpoint {path} is incomplete or unreadable ({exc}); resume from another one") from exc
+
+
+def trim_metrics(metrics_file: Path, last_step: int) -> None:
+    """Drop metrics lines past the resumed step, so a resumed run's log has each step once."""
+    if not metrics_file.is_file():
+        return
+    keep = [line for line in metrics_file.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    metrics_file.write_text("".join(line + "\n" for line in keep))

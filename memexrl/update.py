@@ -1,0 +1,93 @@
+"""The GRPO update: micro-batches of segments -> accumulated gradients -> one optimizer step each.
+
+Separate from the rollout loop (memexrl/trainer.py) so that anything producing
+`SegmentSample`s can train with it, the multi-turn trainer and the single-turn benchmark
+(`memexrl bench trainer`) alike. Under several processes, every process runs the same number
+of forward/backward passes (a zero-weight padding pass where it has fewer), or DDP would hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from memexrl import grpo
+from memexrl.batching import SegmentSample, collate, sequence_logprobs
+from memexrl.config import TrainSection
+
+
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
+def max_over_processes(acc, n: int) -> int:
+    if acc.num_processes == 1:
+        return n
+    return int(acc.reduce(torch.tensor([n], device=acc.device), reduction="max").item())
+
+
+def _padding_sample(pad: int) -> SegmentSample:
+    return SegmentSample([pad, pad], [0, 0], [0.0, 0.0], 0.0, 0.0, -1, [0.0], [0.0])
+
+
+def update_policy(model, optimizer, scheduler, acc, samples_per_update: list[list[SegmentSample]], t: TrainSection,
+                  tokenizer, params: list[torch.nn.Parameter]) -> dict[str, float]:
+    """One optimizer step per minibatch of segments, gradients accumulated over micro-batches.
+
+    `samples_per_update[u]` are the segments of update u, with aggregation weights already
+    normalised over that minibatch (batching.build_samples) and old/ref log-probs filled.
+    Returns the loss statistics of design.md (token shares over trained tokens).
+    """
+    pad = pad_id(tokenizer)
+    sums = {k: 0.0 for k in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "tis_clip_frac", "tokens")}
+    grad_norms = []
+    bar = tqdm(total=sum(len(s) for s in samples_per_update), desc="update", leave=False,
+               disable=not acc.is_main_process)
+    for samples in samples_per_update:
+        n_micro = max_over_processes(acc, math.ceil(len(samples) / t.micro_batch_size))
+        if n_micro == 0:  # every group of this minibatch tied: no signal, but the LR schedule advances
+            scheduler.step()
+            continue
+        model.train()
+        optimizer.zero_grad()
+        for j in range(n_micro):
+            chunk = samples[j * t.micro_batch_size : (j + 1) * t.micro_batch_size]
+            dummy = not chunk  # this process has fewer micro-batches: a zero-weight pass keeps DDP in step
+            batch = collate(chunk or samples[:1] or [_padding_sample(pad)], pad, acc.device)
+            if dummy:
+                batch.weights.zero_()
+            sync = contextlib.nullcontext() if j == n_micro - 1 else acc.no_sync(model)
+            with sync:
+                logp, ent = sequence_logprobs(model, batch, with_entropy=t.entropy_coef > 0)
+                tok_loss, parts = grpo.token_loss(
+                    logp, batch.old_logprobs, batch.rollout_logprobs, batch.ref_logprobs, ent, batch.advantages,
+                    clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap or None,
+                    kl_coef=t.kl_coef, entropy_coef=t.entropy_coef,
+                )
+                loss = grpo.aggregate(tok_loss, batch.weights)
+                acc.backward(loss)
+            m = batch.loss_mask if not dummy else torch.zeros_like(batch.loss_mask)
+            sums["loss"] += float(loss.detach())
+            sums["tokens"] += float(m.sum())
+            for key, part in (("pg_loss", "pg"), ("kl", "kl"), ("entropy", "entropy"),
+                              ("clip_frac", "clipped"), ("tis_clip_frac", "tis_clipped")):
+                sums[key] += float((parts[part].detach().float() * m).sum())
+            bar.update(len(chunk))
+        if t.max_grad_norm > 0:
+            grad_norms.append(float(acc.clip_grad_norm_(params, t.max_grad_norm)))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    bar.close()
+    tokens = max(sums.pop("tokens"), 1.0)
+    n_updates = len(grad_norms) if t.max_grad_norm > 0 else sum(1 for s in samples_per_update if s)
+    metrics = {"loss": sums.pop("loss") / max(n_updates, 1)}
+    metrics.update({k: v / tokens for k, v in sums.items()})
+    metrics["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else 0.0
+    metrics["lr"] = scheduler.get_last_lr()[0]
+    metrics["num_updates"] = n_updates
+    return metrics

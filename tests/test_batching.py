@@ -1,0 +1,87 @@
+"""Trajectories -> training sequences (memexrl/batching.py): weights, padding, log-prob alignment."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memexrl.batching import advantages_for, build_samples, collate, fill_logprobs
+from memexrl.config import load_config
+from memexrl.trajectory import Segment, Trajectory
+
+
+def _traj(reward: float, segments: list[tuple[int, int]]) -> Trajectory:
+    """A trajectory whose segments have (prompt tokens, trained tokens); observations between turns untrained."""
+    t = Trajectory(game="g", task_type="pick", goal="x", reward={"total": reward})
+    for prompt, trained in segments:
+        seg = Segment(first_step=0, prompt_ids=list(range(1, prompt + 1)))
+        seg.extend([7] * trained, trained=True, logprobs=[-0.5] * trained)
+        seg.extend([9, 9], trained=False)  # an observation
+        t.segments.append(seg)
+    return t
+
+
+def test_segments_share_the_advantage_and_each_trajectory_weighs_the_same():
+    trajs = [_traj(1.0, [(5, 30)]), _traj(0.0, [(5, 10), (6, 10), (4, 10)]), _traj(1.0, [(5, 3)]),
+             _traj(1.0, [(5, 3)])]
+    adv, keep = advantages_for(trajs, [0, 0, 1, 1], "group", 1e-6)
+    assert keep == [True, True, False, False]  # game 1's rollouts tie: dropped
+    samples = build_samples(trajs, adv, keep, "trajectory")
+    assert [s.trajectory for s in samples] == [0, 1, 1, 1]
+    assert [s.advantage for s in samples] == pytest.approx([adv[0], adv[1], adv[1], adv[1]])
+    assert adv[0] > 0 > adv[1]
+    per_traj = {0: 0.0, 1: 0.0}
+    for s in samples:
+        per_traj[s.trajectory] += s.weight * s.trained_tokens
+    assert per_traj == pytest.approx({0: 0.5, 1: 0.5})
+    assert samples[1].input_ids[:5] == [1, 2, 3, 4, 5] and samples[1].loss_mask[:5] == [0] * 5
+    assert samples[1].loss_mask[5:] == [1] * 10 + [0, 0]
+    assert samples[1].rollout_logprobs[5:] == [-0.5] * 10 + [0.0, 0.0]
+
+
+def test_batch_normalisation_switch_counts_segments():
+    trajs = [_traj(1.0, [(5, 3)] * 3), _traj(0.0, [(5, 3)])]
+    group_adv, _ = advantages_for(trajs, [0, 0], "group", 0.0)
+    batch_adv, _ = advantages_for(trajs, [0, 0], "batch", 0.0)
+    assert group_adv == pytest.approx([2 ** -0.5, -(2 ** -0.5)])
+    std = (3 * 0.25**2 + 0.75**2) ** 0.5 / 3**0.5
+    assert batch_adv == pytest.approx([0.25 / std, -0.75 / std])
+
+
+def test_collate_shifts_and_pads():
+    trajs = [_traj(1.0, [(3, 2)]), _traj(0.0, [(2, 4)])]
+    adv, keep = advantages_for(trajs, [0, 0], "group", 1e-6)
+    samples = build_samples(trajs, adv, keep, "token")
+    batch = collate(samples, pad_id=0, device=torch.device("cpu"))
+    assert batch.input_ids.tolist() == [[1, 2, 3, 7, 7, 9, 9, 0], [1, 2, 7, 7, 7, 7, 9, 9]]
+    assert batch.attention_mask.tolist() == [[1] * 7 + [0], [1] * 8]
+    # Position i predicts token i+1: the first trained token of row 0 is predicted at position 2.
+    assert batch.loss_mask.tolist() == [[0, 0, 1, 1, 0, 0, 0], [0, 1, 1, 1, 1, 0, 0]]
+    assert batch.weights.tolist()[0] == pytest.approx([0, 0, 1 / 6, 1 / 6, 0, 0, 0])
+    assert float(batch.weights.sum()) == pytest.approx(1.0)  # token mean over 6 trained tokens
+    assert batch.advantages[0, 2] == pytest.approx(adv[0]) and batch.advantages[1, 1] == pytest.approx(adv[1])
+
+
+@pytest.mark.slow
+def test_trainer_logprobs_equal_the_engines(alfworld_data):
+    """Token-in/token-out: the trainer's recomputed log-probs of the sampled tokens are the engine's."""
+    from envs.data import list_games
+    from memexrl.models import load_policy
+    from rollout.hf_engine import TransformersEngine
+    from rollout.runner import make_renderer, open_envs, run_episodes
+
+    cfg = load_config(None, ["model.name=tiny-qwen3-moe", "model.device=cpu", "env.max_steps=3",
+                             "rollout.max_new_tokens=12", f"env.data_dir={alfworld_data}"])
+    model, tokenizer = load_policy(cfg.model)
+    engine = TransformersEngine(model, tokenizer, temperature=1.0, batch_size=4, seed=3)
+    game = str(list_games("valid_seen", cfg.env.data_dir)[0])
+    with open_envs(cfg, 0) as envs:
+        trajs = run_episodes([("a", game), ("b", game)], engine, envs, make_renderer(tokenizer, cfg), cfg)
+    samples = build_samples(trajs, [1.0, -1.0], [True, True], "trajectory")
+    assert sum(s.trained_tokens for s in samples) == engine.generated_tokens
+    fill_logprobs(model, samples, 2, tokenizer.pad_token_id, torch.device("cpu"), "old_logprobs")
+    for s in samples:
+        trained = [i for i, m in enumerate(s.loss_mask) if m]
+        engine_lp = torch.tensor([s.rollout_logprobs[i] for i in trained])
+        trainer_lp = torch.tensor([s.old_logprobs[i - 1] for i in trained])
+        torch.testing.assert_close(trainer_lp, engine_lp, atol=1e-4, rtol=0)

@@ -1,0 +1,87 @@
+"""Task sampler and checkpoint files of a GRPO run (memexrl/train_state.py)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from memexrl.errors import MemexError
+from memexrl.train_state import (
+    TaskSampler,
+    find_checkpoint,
+    load_checkpoint,
+    newest_checkpoint,
+    save_checkpoint,
+    trim_metrics,
+)
+
+
+def test_sampler_is_a_seeded_permutation_per_epoch_and_resumes():
+    games = [f"g{i}" for i in range(5)]
+    a = TaskSampler(games, seed=1)
+    first_epoch = a.next(5)
+    assert sorted(first_epoch) == games  # every game once per epoch
+    second = a.next(3)
+    b = TaskSampler(games, seed=1)
+    b.next(5)
+    state = b.state_dict()
+    c = TaskSampler(games, seed=1)
+    c.load_state_dict(state)
+    assert c.next(3) == second == b.next(3)
+    assert TaskSampler(games, seed=2).next(5) != first_epoch
+    with pytest.raises(MemexError, match="same train.split"):
+        TaskSampler(games[:4], seed=1).load_state_dict(state)
+    with pytest.raises(MemexError, match="no games"):
+        TaskSampler([], seed=1)
+
+
+def _optimizer():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.ones(3)
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    sched.step()
+    return opt, sched
+
+
+def test_checkpoint_round_trip_restores_optimizer_scheduler_and_rng(tmp_path):
+    opt, sched = _optimizer()
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    path = save_checkpoint(tmp_path, 3, lambda d: (d / "weights.txt").write_text("w"), opt, sched, {"sampler": {}})
+    assert path == tmp_path / "checkpoints" / "step-3"
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # the temp dir was renamed
+    expected = (random.random(), np.random.rand(), torch.rand(1))
+    opt2, sched2 = _optimizer()
+    opt2.state_dict()["state"][0]["exp_avg"].zero_()
+    state = load_checkpoint(path, opt2, sched2)
+    assert state["step"] == 3
+    torch.testing.assert_close(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert sched2.state_dict()["last_epoch"] == sched.state_dict()["last_epoch"]
+    assert (random.random(), np.random.rand(), torch.rand(1)) == expected
+
+
+def test_find_checkpoint_and_errors(tmp_path):
+    assert newest_checkpoint(tmp_path) is None
+    with pytest.raises(MemexError, match="no checkpoint"):
+        find_checkpoint(tmp_path, "latest")
+    opt, sched = _optimizer()
+    for step in (2, 10):
+        save_checkpoint(tmp_path, step, lambda d: None, opt, sched, {})
+    (tmp_path / "checkpoints" / "step-11").mkdir()  # half-written by hand: no trainer_state.json
+    assert find_checkpoint(tmp_path, "latest").name == "step-10"
+    with pytest.raises(MemexError, match="not a GRPO checkpoint"):
+        find_checkpoint(tmp_path, str(tmp_path / "checkpoints" / "step-11"))
+    (tmp_path / "checkpoints" / "step-10" / "optimizer.pt").write_bytes(b"garbage")
+    with pytest.raises(MemexError, match="incomplete or unreadable"):
+        load_checkpoint(tmp_path / "checkpoints" / "step-10", opt, sched)
+
+
+def test_trim_metrics_drops_steps_past_the_checkpoint(tmp_path):
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("".join(f'{{"step": {s}, "loss": 0}}\n' for s in (1, 2, 3, 4)))
+    trim_metrics(f, 2)
+    assert f.read_text().splitlines() == ['{"step": 1, "loss": 0}', '{"step": 2, "loss": 0}']

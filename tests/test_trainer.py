@@ -1,0 +1,145 @@
+"""The GRPO trainer end to end on real ALFWorld games with a tiny model (memexrl/trainer.py).
+
+The tiny random model never ends a turn by itself, so every rollout of a game would tie and
+GRPO would drop the group. `tiny_eos_model` gives its end-of-turn token a random output row:
+turn lengths then vary, the working context W varies, and with a small threshold T the
+context penalty differs between the G rollouts of a game, which is all GRPO needs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from memexrl.cli import main
+from memexrl.config import load_config
+
+pytestmark = pytest.mark.slow
+
+
+def overrides(model_dir: str, run_dir, **extra) -> list[str]:
+    base = {
+        "model.name": model_dir, "model.device": "cpu", "train.finetune": "lora", "train.tasks_per_step": 1,
+        "train.group_size": 4, "train.global_batch_size": 4, "train.micro_batch_size": 4, "train.steps": 4,
+        "train.num_games": 3, "train.wandb": False, "train.output_dir": str(run_dir), "train.learning_rate": 2e-4,
+        "env.max_steps": 3, "env.num_workers": 1, "rollout.max_new_tokens": 24, "memory.threshold": 200,
+        "train.init_checkpoint": "", "train.max_episode_steps": 0, "train.recompute_old_logprobs": True,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def run(args: list[str]) -> int:
+    return main(["train", "--config", "configs/tiny-cpu.yaml", *args])
+
+
+def adapter(run_dir, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / f"step-{step}" / "adapter_model.safetensors"))
+
+
+def test_run_directory_metrics_and_checkpoint(tiny_eos_model, tmp_path, alfworld_data, monkeypatch):
+    monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_data))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run_dir = tmp_path / "run"
+    assert run(overrides(tiny_eos_model, run_dir, **{"train.steps": 2, "train.save_steps": 1,
+                                                     "train.wandb": True})) == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    design_keys = {"step", "success_rate", "reward_mean", "penalty_context", "penalty_redundancy", "penalty_format",
+                   "peak_working_tokens", "num_compress", "num_read", "num_segments", "loss", "kl", "clip_frac",
+                   "tis_clip_frac", "grad_norm", "lr", "rollout_s", "train_s"}
+    for r in records:
+        assert design_keys <= r.keys()
+        assert r["num_updates"] == 1 and r["num_samples"] >= 4  # rewards differed: the group was trained on
+        assert r["zero_std_group_frac"] == 0.0
+        assert r["penalty_context"] > 0 and r["reward_mean"] < 0
+        assert r["grad_norm"] > 0
+    assert records[1]["kl"] > 0  # the adapter moved away from the reference after one update
+    assert (run_dir / "config.yaml").is_file()
+    tables = list((run_dir / "wandb").glob("offline-run-*/files/media/table/rollout/trajectories_*.table.json"))
+    assert len(tables) == 2  # one trajectory table per step, offline
+    table = json.loads(tables[0].read_text())
+    assert "transcript" in table["columns"] and table["data"]
+    assert {p.name for p in (run_dir / "plots").glob("*.png")} >= {"reward.png", "kl.png", "clip.png"}
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-1", "step-2"]
+    assert adapter(run_dir, 1).keys() == adapter(run_dir, 2).keys()
+    assert any(not torch.equal(adapter(run_dir, 1)[k], adapter(run_dir, 2)[k]) for k in adapter(run_dir, 1))
+
+    # The checkpoint alone rebuilds the trained policy (its base is the starting model).
+    from memexrl.config import ModelConfig
+    from memexrl.models import load_policy
+
+    model, _ = load_policy(ModelConfig(name=str(run_dir / "checkpoints" / "step-2"), device="cpu"))
+    start, _ = load_policy(ModelConfig(name=tiny_eos_model, device="cpu"))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert not torch.allclose(model(ids).logits, start(ids).logits)
+
+
+def test_resume_continues_the_same_run(tiny_eos_model, tmp_path, alfworld_data, monkeypatch):
+    monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_data))
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run(overrides(tiny_eos_model, straight, **{"train.save_steps": 2})) == 0
+    assert run(overrides(tiny_eos_model, resumed, **{"train.save_steps": 2, "train.steps": 2})) == 0
+    assert run(["--resume", *overrides(tiny_eos_model, resumed, **{"train.save_steps": 2})]) == 0
+    a, b = adapter(straight, 4), adapter(resumed, 4)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+    assert not all(torch.equal(adapter(straight, 2)[k], a[k]) for k in a)  # steps 3-4 did train
+    lines = [json.loads(x) for x in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    ref = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward_mean"] for r in lines] == pytest.approx([r["reward_mean"] for r in ref])
+
+
+def test_full_finetuning_keeps_a_frozen_reference(tiny_eos_model, tmp_path, alfworld_data, monkeypatch):
+    monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_data))
+    from memexrl.trainer import Trainer
+
+    cfg = load_config("configs/tiny-cpu.yaml", overrides(tiny_eos_model, tmp_path / "full", **{
+        "train.finetune": "full", "train.steps": 1}))
+    trainer = Trainer(cfg)
+    before = {k: v.detach().clone() for k, v in trainer.policy.model.state_dict().items()}
+    trainer.train()
+    after = trainer.policy.model.state_dict()
+    ref = trainer.policy.reference_module().state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(before[k], ref[k]) for k in before)
+    assert not any(p.requires_grad for p in trainer.policy.reference_module().parameters())
+    assert (tmp_path / "full" / "checkpoints" / "step-1" / "model.safetensors").is_file()
+
+
+def test_qlora_trains_an_adapter_on_a_4bit_base(tiny_eos_model, tmp_path, alfworld_data, monkeypatch):
+    pytest.importorskip("bitsandbytes")
+    monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_data))
+    run_dir = tmp_path / "qlora"
+    assert run(overrides(tiny_eos_model, run_dir, **{"train.finetune": "qlora", "train.steps": 1})) == 0
+    record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["num_updates"] == 1 and record["grad_norm"] > 0
+    assert (run_dir / "checkpoints" / "step-1" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"train.global_batch_size": 3}, "must divide the rollout batch"),
+        ({"train.group_size": 1, "train.global_batch_size": 1}, "group_size (G) must be >= 2"),
+        ({"train.loss_agg": "sequence"}, "train.loss_agg"),
+    ],
+)
+def test_bad_configs_stop_with_one_line(extra, message, tmp_path, capsys):
+    assert run(overrides("tiny-qwen3-moe", tmp_path / "bad", **extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+
+
+def test_resume_without_checkpoint_stops(tmp_path, capsys, alfworld_data, monkeypatch):
+    monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_data))
+    assert run(["--resume", *overrides("tiny-qwen3-moe", tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no checkpoint" in err
+    assert run(["--resume-from", str(tmp_path / "nowhere"), *overrides("tiny-qwen3-moe", tmp_path / "e2")]) == 2
+    assert "not a GRPO checkpoint" in capsys.readouterr().err
