@@ -117,6 +117,16 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(bench.run(args.what, args))
 
 
+# --- quantize -----------------------------------------------------------------------------------
+def cmd_quantize(args: argparse.Namespace) -> None:
+    from memexrl.quantize import quantize_checkpoint
+
+    result = quantize_checkpoint(args.model, args.out, args.group_size, experts_only=args.experts_only)
+    print(f"INT4 W4A16 checkpoint (pack-quantized, group {args.group_size}): {result.out_dir}")
+    n_quantized, n_kept = len(result.quantized), len(result.ignored)
+    print(f"{n_quantized} weight tensors quantised; {n_kept} modules left in full precision")
+
+
 # --- plot ---------------------------------------------------------------------------------------
 def cmd_plot(args: argparse.Namespace) -> None:
     from memexrl.plot import plot_run
@@ -193,6 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
     plo = sub.add_parser("plot", help="PNG curves of a run's metrics.jsonl, written to RUN_DIR/plots/")
     plo.add_argument("run_dir", help="run directory holding metrics.jsonl (e.g. runs/sft)")
     plo.set_defaults(func=cmd_plot)
+
+    qua = sub.add_parser("quantize", help="INT4 W4A16 (RTN, symmetric, grouped) checkpoint that vLLM loads")
+    qua.add_argument("--model", required=True, help="HF checkpoint directory (config.json + *.safetensors)")
+    qua.add_argument("--out", required=True, help="new directory for the quantised checkpoint")
+    qua.add_argument("--group-size", type=int, default=128, help="input columns per scale (default: 128)")
+    qua.add_argument("--experts-only", action="store_true",
+                     help="quantise only the routed MoE experts, as slime's converter does")
+    qua.set_defaults(func=cmd_quantize)
     return parser
 
 
