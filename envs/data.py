@@ -148,9 +148,15 @@ def prepare_alfworld(dest: str | Path, archive: str | Path | None = None) -> Pat
 
 
 # ----------------------------------------------------------------------------- finding the data
+DEFAULT_DEST = "data/alfworld"  # `memexrl data alfworld --dest` default
+
+
 def data_root(data_dir: str | Path = "") -> Path:
-    """The directory holding `json_2.1.1/`: `data_dir`, else `$ALFWORLD_DATA`."""
+    """The directory holding `json_2.1.1/`: `data_dir`, else `$ALFWORLD_DATA`, else `./data/alfworld`
+    (where `memexrl data alfworld` unpacks by default) when it holds the data."""
     raw = str(data_dir) or os.environ.get("ALFWORLD_DATA", "")
+    if not raw and (Path(DEFAULT_DEST) / JSON_DIR).is_dir():
+        raw = DEFAULT_DEST
     if not raw:
         raise MemexError(f"ALFWorld data directory not set: {_FIX}")
     root = Path(raw).expanduser()

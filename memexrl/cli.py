@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from envs.data import DEFAULT_DEST
 from memexrl.errors import MemexError
 
 log = logging.getLogger("memexrl")
@@ -88,6 +89,10 @@ def cmd_sft(args: argparse.Namespace) -> None:
     from sft.train import run_sft
 
     cfg = load_config(args.config, args.overrides)
+    if cfg.sft.check_games > 0:  # fail now, not after training, when the check's games are missing
+        from envs.data import list_games
+
+        list_games(cfg.sft.check_split, cfg.env.data_dir)
     checkpoint = run_sft(cfg)
     print(f"SFT checkpoint: {checkpoint}")
     if cfg.sft.check_games > 0:
@@ -103,9 +108,15 @@ def cmd_sft(args: argparse.Namespace) -> None:
 # --- train --------------------------------------------------------------------------------------
 def cmd_train(args: argparse.Namespace) -> None:
     from memexrl.config import load_config
-    from memexrl.trainer import train
 
     cfg = load_config(args.config, args.overrides)
+    if args.dry_run:
+        from memexrl.plan import dry_run
+
+        print(dry_run(cfg, args.num_processes, args.accelerate_config, args.params))
+        return
+    from memexrl.trainer import train
+
     checkpoint = train(cfg, resume=args.resume_from or ("latest" if args.resume else None))
     print(f"GRPO run {cfg.train.output_dir}: last checkpoint {checkpoint}")
 
@@ -147,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="prepare data sets")
     data_sub = data.add_subparsers(dest="dataset", required=True)
     alf = data_sub.add_parser("alfworld", help="unpack (or download) the ALFWorld games")
-    alf.add_argument("--dest", default="data/alfworld", help="where to put the data (default: data/alfworld)")
+    alf.add_argument("--dest", default=DEFAULT_DEST, help=f"where to put the data (default: {DEFAULT_DEST})")
     alf.add_argument("--archive", default=None, help="archive to unpack (default: $ALFWORLD_ARCHIVE, else download)")
     alf.set_defaults(func=cmd_data)
 
@@ -182,6 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue the run in train.output_dir from its newest checkpoint")
     tra.add_argument("--resume-from", default=None, metavar="DIR",
                      help="continue from this checkpoint (RUN/checkpoints/step-N) instead")
+    tra.add_argument("--dry-run", action="store_true",
+                     help="print the resolved plan (processes, batches, memory per process) without loading the model")
+    tra.add_argument("--num-processes", type=int, default=None, metavar="N",
+                     help="--dry-run: training processes (default: launcher env, --accelerate-config, else 1)")
+    tra.add_argument("--accelerate-config", default=None, metavar="YAML",
+                     help="--dry-run: accelerate config to plan for (processes, DeepSpeed ZeRO stage)")
+    tra.add_argument("--params", type=int, default=None, metavar="N",
+                     help="--dry-run: parameter count when the model's config.json is not available offline")
     tra.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
     tra.set_defaults(func=cmd_train)
 

@@ -102,6 +102,13 @@ class RolloutConfig:
         "Hard cap on a segment's tokens (model window; paper: 32K). The episode is truncated past it.",
         32768,
     )
+    vllm_model: str = _help(
+        "Weights vLLM loads (rollout.engine=vllm): e.g. an INT4 checkpoint from `memexrl quantize` (the "
+        "paper rolls out INT4 W4A16); '' = the starting model (merged SFT start, exported to RUN/base/).",
+        "",
+    )
+    vllm_server_url: str = _help("vLLM server mode: base URL of a running server ('' = colocated vllm.LLM).", "")
+    vllm_gpu_memory_utilization: float = _help("Share of GPU memory the colocated vLLM may take.", 0.35)
 
 
 @dataclass
@@ -133,6 +140,9 @@ class SFTSection:
     wandb: bool = _help("Log to wandb (offline in RUN/wandb unless you are logged in).", True)
     check_games: int = _help("Held-out valid_unseen games for the post-SFT check (0 skips it).", 4)
     check_split: str = _help("Split of the post-SFT check games.", "valid_unseen")
+    check_temperature: float = _help(
+        "Sampling temperature of the post-SFT check (0: greedy, deterministic; 1: as GRPO rollouts sample).", 0.0
+    )
 
 
 @dataclass
@@ -189,6 +199,11 @@ class TrainSection:
     lora_alpha: int = _help("LoRA alpha.", 32)
     lora_target_modules: str = _help("Comma-separated module names, or 'all-linear'.", "all-linear")
     gradient_checkpointing: bool = _help("Trade compute for memory (long segments on GPUs).", False)
+    fake_quant_group_size: int = _help(
+        "INT4 fake-quant of the base weights in the trainer's forward (memex.md: INT4 rollouts, QAT "
+        "training; straight-through gradients), same RTN group-128 scheme as `memexrl quantize`; 0: off.",
+        0,
+    )
     mixed_precision: str = _help("accelerate mixed precision: 'no' (CPU) or 'bf16'.", "no")
     save_steps: int = _help("Checkpoint every N rollout steps (the last step is always saved).", 10)
     wandb: bool = _help("Log to wandb (offline in RUN/wandb unless you are logged in).", True)
@@ -235,6 +250,8 @@ class Config:
             (self.train.lr_scheduler in ("constant", "cosine"), "train.lr_scheduler must be constant or cosine"),
             (self.train.mixed_precision in ("no", "bf16", "fp16"), "train.mixed_precision must be no, bf16 or fp16"),
             (self.train.steps > 0 and self.train.save_steps > 0, "train.steps and train.save_steps must be > 0"),
+            (not (self.train.fake_quant_group_size and self.train.finetune == "qlora"),
+             "train.fake_quant_group_size needs finetune lora or full: a qlora base is already 4-bit (NF4)"),
         ]
         for ok, message in checks:
             if not ok:

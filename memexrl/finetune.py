@@ -9,6 +9,11 @@ warm start). How the reference is kept depends on what is trained:
 QLoRA loads the base in 4-bit NF4 through bitsandbytes (it needs a full checkpoint: a 4-bit
 base cannot take a merged adapter).
 
+Under DeepSpeed ZeRO-3 the frozen reference copy (full fine-tuning) is sharded like the policy,
+as an inference-only DeepSpeed engine (`Policy.shard_reference`, TRL's `prepare_deepspeed`); under
+ZeRO-2 it stays whole on each process, in the policy's dtype. With `zero3_init_flag` the policy is
+built already sharded, so the reference is loaded a second time instead of deep-copied.
+
 A GRPO LoRA checkpoint records the starting checkpoint as its base
 (`base_model_name_or_path`), so `memexrl.models.load_policy` rebuilds the trained policy from
 it alone: SFT adapter merged, then the RL adapter merged.
@@ -25,15 +30,18 @@ import torch
 
 from memexrl.config import Config
 from memexrl.errors import MemexError
-from memexrl.models import load_policy
+from memexrl.models import adapter_base, load_policy
+from memexrl.quantize import apply_fake_quant, remove_fake_quant
 from memexrl.train_state import newest_checkpoint
 
 
 class Policy:
     """The trained module, its tokenizer, and how to get log-probs of the reference policy."""
 
-    def __init__(self, model, tokenizer, finetune: str, init_source: str, reference=None):
+    def __init__(self, model, tokenizer, finetune: str, init_source: str, reference=None, fake_quant: int = 0):
         self.model = model
+        self.fake_quant = fake_quant  # group size of the INT4 fake-quant parametrizations (full fine-tuning)
+        self.rollout_model_dir = init_source
         self.tokenizer = tokenizer
         self.finetune = finetune
         self.init_source = init_source
@@ -55,13 +63,29 @@ class Policy:
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def save(self, directory: Path) -> None:
-        """HF format: the adapter (with the starting checkpoint as its base) or the full model."""
+    def save(self, directory: Path, state_dict: dict | None = None) -> None:
+        """HF format: the adapter (with the starting checkpoint as its base) or the full model.
+
+        `state_dict`: the weights to write when the module's own are sharded (DeepSpeed ZeRO-3:
+        `accelerator.get_state_dict` of the engine); PEFT keeps only the adapter's entries of it.
+        """
         if self.uses_adapter:
             for peft_config in self.model.peft_config.values():
                 peft_config.base_model_name_or_path = self.init_source
-        self.model.save_pretrained(directory)
+        if self.fake_quant and state_dict is None:
+            remove_fake_quant(self.model)  # save the full-precision weights under their own names
+            self.model.save_pretrained(directory)
+            apply_fake_quant(self.model, self.fake_quant)
+        else:
+            self.model.save_pretrained(directory, state_dict=state_dict)
         self.tokenizer.save_pretrained(directory)
+
+    def shard_reference(self, accelerator) -> None:
+        """ZeRO-3: shard the frozen reference copy (full fine-tuning) like the policy, for inference only."""
+        if self._reference is not None:
+            from trl.models import prepare_deepspeed
+
+            self._reference = prepare_deepspeed(self._reference, accelerator)
 
 
 def _lora_config(cfg: Config):
@@ -88,12 +112,16 @@ def init_source(cfg: Config) -> str:
     return str(path.resolve()) if path.exists() else src
 
 
-def load_policy_for_grpo(cfg: Config, resume_from: Path | None = None) -> Policy:
+def load_policy_for_grpo(cfg: Config, resume_from: Path | None = None, export_base: Path | None = None) -> Policy:
     """Build the trainable policy (and its reference) as train.finetune says.
 
     `resume_from` is a GRPO checkpoint directory whose trained weights replace the start's:
     the adapter for lora/qlora, the whole model for full fine-tuning (the reference stays the
-    starting checkpoint either way).
+    starting checkpoint either way). `export_base`: where to write the merged start when it is
+    an adapter checkpoint, for an external engine that loads weights from disk (vLLM);
+    `Policy.rollout_model_dir` says which directory holds the starting weights.
+    With train.fake_quant_group_size > 0 the forward uses INT4 fake-quant base weights
+    (memexrl/quantize.py), the reference too: trainer and INT4 rollout engine see the same weights.
     """
     from peft import get_peft_model, set_peft_model_state_dict
     from safetensors.torch import load_file
@@ -105,17 +133,35 @@ def load_policy_for_grpo(cfg: Config, resume_from: Path | None = None) -> Policy
     else:
         # for_training=False merges an SFT adapter into its base: the start is one plain model.
         model, tokenizer = load_policy(replace(cfg.model, name=source))
+    rollout_dir = source
+    if adapter_base(source) is not None and export_base is not None and finetune != "qlora":
+        model.save_pretrained(export_base)
+        tokenizer.save_pretrained(export_base)
+        rollout_dir = str(export_base)
+    group = cfg.train.fake_quant_group_size
     if finetune == "full":
-        reference = copy.deepcopy(model).eval().requires_grad_(False)
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        if is_deepspeed_zero3_enabled():  # zero3_init_flag: sharded weights, a deep copy would copy empty shards
+            reference = load_policy(replace(cfg.model, name=source))[0]
+        else:
+            reference = copy.deepcopy(model)
+        reference.eval().requires_grad_(False)
         if resume_from is not None:
             model, _ = load_policy(replace(cfg.model, name=str(resume_from)))
         model.requires_grad_(True)
-        policy = Policy(model, tokenizer, finetune, source, reference)
+        if group:
+            apply_fake_quant(reference, group)  # frozen: replaced once by its INT4 values
+            apply_fake_quant(model, group)  # trainable: a parametrization, straight-through gradients
+        policy = Policy(model, tokenizer, finetune, source, reference, fake_quant=group)
     else:
         model = get_peft_model(model, _lora_config(cfg))
         if resume_from is not None:
             set_peft_model_state_dict(model, load_file(str(resume_from / "adapter_model.safetensors")))
+        if group:
+            apply_fake_quant(model, group)  # the frozen base; LoRA adds its delta outside it (path A)
         policy = Policy(model, tokenizer, finetune, source)
+    policy.rollout_model_dir = rollout_dir
     if cfg.train.gradient_checkpointing:
         policy.model.gradient_checkpointing_enable()
     policy.model.train()

@@ -6,6 +6,13 @@ plus the tokenizer), `optimizer.pt` and `scheduler.pt` (tensors and numbers only
 torch generator states) and `trainer_state.json` (step, sampler position, where RL started).
 It is written into a temporary directory and renamed, so a crash leaves either the whole
 checkpoint or none (design.md "Run directory").
+
+Under DeepSpeed the optimizer is sharded over the processes: instead of `optimizer.pt`, every
+process writes its shard with the engine's `save_checkpoint` into `deepspeed/` of the same
+temporary directory before the main process finishes and renames it (memexrl/trainer.py), and a
+resume restores it with the engine's `load_checkpoint` under the same number of processes. Those
+shard files are DeepSpeed's own format, which DeepSpeed loads with pickle: resume only from
+checkpoints you wrote yourself.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 from memexrl.errors import MemexError
 
 STATE_FILE = "trainer_state.json"
+DEEPSPEED_DIR = "deepspeed"  # the engine's checkpoint (optimizer shards) inside step-N/, under DeepSpeed
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -87,15 +95,27 @@ def set_rng_state(state: dict, torch_state: torch.Tensor) -> None:
     torch.set_rng_state(torch_state)
 
 
-def save_checkpoint(run_dir: Path, step: int, write_policy: Callable[[Path], None], optimizer, scheduler,
-                    state: dict) -> Path:
-    """Write RUN/checkpoints/step-N atomically (temp dir + rename) and return it."""
-    final = run_dir / "checkpoints" / f"step-{step}"
+def staging_dir(run_dir: Path, step: int, clear: bool = True) -> Path:
+    """The temporary directory step-N is written into (emptied and created when `clear`)."""
     tmp = run_dir / "checkpoints" / f".tmp-step-{step}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    if clear:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    return tmp
+
+
+def save_checkpoint(run_dir: Path, step: int, write_policy: Callable[[Path], None], optimizer, scheduler,
+                    state: dict, staged: bool = False) -> Path:
+    """Write RUN/checkpoints/step-N atomically (temp dir + rename) and return it.
+
+    `optimizer` None: the optimizer state is elsewhere (DeepSpeed's shards, written into the
+    staging directory beforehand, with `staged` True so that it is not emptied).
+    """
+    final = run_dir / "checkpoints" / f"step-{step}"
+    tmp = staging_dir(run_dir, step, clear=not staged)
     write_policy(tmp)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     py_np, torch_rng = rng_state()
     (tmp / "rng.json").write_text(json.dumps(py_np))
@@ -129,9 +149,13 @@ def newest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, optimizer, scheduler) -> dict:
-    """Restore optimizer, scheduler and RNG states in place; return trainer_state.json."""
+    """Restore optimizer (unless None: DeepSpeed restores its own), scheduler and RNG states in place.
+
+    Returns trainer_state.json.
+    """
     try:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        if optimizer is not None:
+            optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
         scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
         set_rng_state(json.loads((path / "rng.json").read_text()), torch.load(path / "torch_rng.pt",
                                                                               weights_only=True))

@@ -12,12 +12,24 @@ One flat loop in phases, each step:
   save      atomic checkpoints every save_steps; `--resume` continues the same run
 Distributed (accelerate / DeepSpeed launch): each process rolls out whole groups of its share
 of the tasks; token weights are scaled so the gradient is that of the global batch.
+
+DeepSpeed (`accelerate launch --config_file configs/accelerate/zero{2,3}-8gpu.yaml`, or one CPU
+process with `--num_processes 1`): the engine owns the optimizer step (update.py `_boundary`),
+gradient clipping and the sharded optimizer state; `configure_deepspeed` fills the DeepSpeed
+config's batch / clipping values from the train section. ZeRO-3 also shards the weights: the
+in-process transformers engine then generates inside `generation_weights`, which gathers the
+whole model on every process for the rollout phase (small models only: large models roll out
+with the vLLM engine, which receives the weights in `sync_weights`), and the frozen reference
+of full fine-tuning is sharded too (finetune.py). Checkpoints gather the weights with
+`accelerator.get_state_dict` and add the engine's optimizer shards (train_state.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -36,7 +48,15 @@ from memexrl.errors import MemexError
 from memexrl.finetune import Policy, load_policy_for_grpo
 from memexrl.seeding import seed_everything
 from memexrl.train_log import RunLogger, rollout_metrics
-from memexrl.train_state import TaskSampler, find_checkpoint, load_checkpoint, save_checkpoint, trim_metrics
+from memexrl.train_state import (
+    DEEPSPEED_DIR,
+    TaskSampler,
+    find_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    staging_dir,
+    trim_metrics,
+)
 from memexrl.update import pad_id, update_policy
 from rewards.memex import score_trajectory
 from rollout.hf_engine import TransformersEngine
@@ -64,10 +84,22 @@ def updates_per_step(cfg: Config) -> int:
 
 
 def make_engine(policy: Policy, cfg: Config):
-    """The rollout engine: the transformers engine on the trained module itself (vLLM: issue 5)."""
+    """The rollout engine: the transformers engine on the trained module itself, or vLLM (rollout/vllm.py)."""
     r = cfg.rollout
-    return TransformersEngine(policy.model, policy.tokenizer, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, batch_size=r.batch_size, seed=cfg.seed)
+    if r.engine != "vllm":
+        return TransformersEngine(policy.model, policy.tokenizer, temperature=r.temperature, top_p=r.top_p,
+                                  top_k=r.top_k, batch_size=r.batch_size, seed=cfg.seed)
+    from memexrl.model_zoo import resolve_model_path
+    from rollout.vllm import make_vllm_engine
+
+    model_dir = r.vllm_model or resolve_model_path(policy.rollout_model_dir, cfg.model.cache_dir)
+    engine = make_vllm_engine(
+        cfg, model_dir, policy.tokenizer, server_url=r.vllm_server_url or None,
+        lora_rank=cfg.train.lora_r if policy.uses_adapter else 0, max_model_len=r.max_context_tokens,
+        gpu_memory_utilization=r.vllm_gpu_memory_utilization, dtype=cfg.model.dtype,
+    )
+    engine.sync_weights(policy.model)  # the starting adapter (or resumed weights)
+    return engine
 
 
 def rollout(step: int, games: list[str], engine, policy: Policy, envs, cfg: Config, rank: int):
@@ -79,6 +111,37 @@ def rollout(step: int, games: list[str], engine, policy: Policy, envs, cfg: Conf
     with torch.no_grad():
         trajs = run_episodes(jobs, engine, envs, make_renderer(policy.tokenizer, cfg), cfg, progress=rank == 0)
     return trajs, groups
+
+
+def deepspeed_launched() -> bool:
+    """True under `accelerate launch` with a DeepSpeed config (accelerate's own environment flag)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def configure_deepspeed(acc, t) -> int:
+    """Fill the DeepSpeed config from the train section before `prepare`; return the ZeRO stage (-1: no DeepSpeed).
+
+    train_micro_batch_size_per_gpu = train.micro_batch_size (there is no dataloader for accelerate
+    to read it from), gradient_clipping = train.max_grad_norm (DeepSpeed clips at its step), and
+    gradient_accumulation_steps = 1: the number of micro-batches per optimizer step varies, so
+    update.py marks each step's boundary itself and DeepSpeed must neither count micro-steps nor
+    divide the loss by their number. A number in the file that disagrees stops the run.
+    """
+    plugin = acc.state.deepspeed_plugin
+    if plugin is None:
+        return -1
+    ds = plugin.deepspeed_config
+    wanted = {"train_micro_batch_size_per_gpu": ("train.micro_batch_size", t.micro_batch_size),
+              "gradient_clipping": ("train.max_grad_norm", t.max_grad_norm),
+              "gradient_accumulation_steps": ("1 (memexrl marks the step boundaries)", 1)}
+    for key, (source, value) in wanted.items():
+        current = ds.get(key, "auto")
+        if current == "auto":
+            ds[key] = value
+        elif float(current) != float(value):
+            raise MemexError(f"the DeepSpeed config sets {key}={current}, but it must equal {source} = {value}: "
+                             f"set it to \"auto\" in the DeepSpeed JSON")
+    return int(plugin.zero_stage)
 
 
 def minibatches(n_items: int, n_updates: int, seed: int, step: int) -> list[list[int]]:
@@ -96,8 +159,10 @@ class Trainer:
         self.cfg = cfg
         t = cfg.train
         self.run_dir = Path(t.output_dir)
-        cpu = cfg.model.device == "cpu" or not torch.cuda.is_available()
+        # DeepSpeed also runs on the CPU (gloo), but accelerate drops it when asked for cpu=True.
+        cpu = (cfg.model.device == "cpu" or not torch.cuda.is_available()) and not deepspeed_launched()
         self.accelerator = Accelerator(cpu=cpu, mixed_precision=t.mixed_precision)
+        self.zero_stage = configure_deepspeed(self.accelerator, t)
         world = self.accelerator.num_processes
         if t.tasks_per_step % world or t.global_batch_size % world:
             raise MemexError(f"train.tasks_per_step ({t.tasks_per_step}) and train.global_batch_size "
@@ -106,18 +171,59 @@ class Trainer:
         seed_everything(cfg.seed)
         games = [str(g) for g in list_games(t.split, cfg.env.data_dir)]
         self.sampler = TaskSampler(games[: t.num_games] if t.num_games else games, cfg.seed)
-        self.policy = load_policy_for_grpo(cfg, resume_from=checkpoint)
+        export = self.run_dir / "base" if cfg.rollout.engine == "vllm" and not cfg.rollout.vllm_model else None
+        if export is not None and self.accelerator.is_main_process:
+            export.mkdir(parents=True, exist_ok=True)
+        self.policy = load_policy_for_grpo(cfg, resume_from=checkpoint,
+                                           export_base=export if self.accelerator.is_main_process else None)
+        if export is not None:  # every process's engine loads the merged start the main process wrote
+            self.accelerator.wait_for_everyone()
+            if (export / "config.json").is_file():
+                self.policy.rollout_model_dir = str(export)
         self.optimizer, self.scheduler = make_optimizer(self.policy, cfg)
+        # The scheduler stays ours (stepped once per minibatch); DeepSpeed's optimizer keeps its param groups.
         self.model, self.optimizer = self.accelerator.prepare(self.policy.model, self.optimizer)
+        if self.zero_stage == 3:
+            self.policy.shard_reference(self.accelerator)
         self.start_step = 0
         if checkpoint is not None:
-            state = load_checkpoint(checkpoint, self.optimizer, self.scheduler)
+            state = load_checkpoint(checkpoint, self._resume_deepspeed(checkpoint), self.scheduler)
             self.sampler.load_state_dict(state["sampler"])
             self.start_step = int(state["step"])
             trim_metrics(self.run_dir / "metrics.jsonl", self.start_step)
             log.info("resumed from %s at step %d", checkpoint, self.start_step)
         self.logger = RunLogger(cfg, self.run_dir, fresh=checkpoint is None,
                                 main=self.accelerator.is_main_process)
+
+    def _resume_deepspeed(self, checkpoint: Path):
+        """The optimizer for load_checkpoint to restore, or None after the DeepSpeed engine restored its shards."""
+        written_by_deepspeed = (checkpoint / DEEPSPEED_DIR).is_dir()
+        if written_by_deepspeed != (self.zero_stage >= 0):
+            raise MemexError(f"checkpoint {checkpoint} was written {'with' if written_by_deepspeed else 'without'} "
+                             f"DeepSpeed: resume it under the same kind of launch (accelerate config)")
+        if self.zero_stage < 0:
+            return self.optimizer
+        loaded, _ = self.model.load_checkpoint(str(checkpoint / DEEPSPEED_DIR), tag="state",
+                                               load_module_strict=False, load_lr_scheduler_states=False)
+        if loaded is None:
+            raise MemexError(f"checkpoint {checkpoint}: DeepSpeed found no state in {DEEPSPEED_DIR}/; "
+                             f"resume from another one")
+        return None
+
+    def generation_weights(self, engine):
+        """Context for the rollout phase: under ZeRO-3 the in-process engine needs whole weights.
+
+        TRL's `unwrap_model_for_generation` gathers every parameter on every process (and lifts
+        DeepSpeed's hooks) for the phase: a full copy of the model per process, fine for small
+        models. Large models use the vLLM engine (rollout.engine: vllm), which holds its own copy of
+        the weights; under ZeRO-3 its `sync_weights` must gather them itself (module by module with
+        `deepspeed.zero.GatheredParameters`), as it receives the sharded module.
+        """
+        if self.zero_stage != 3 or not isinstance(engine, TransformersEngine):
+            return contextlib.nullcontext()
+        from trl.models import unwrap_model_for_generation
+
+        return unwrap_model_for_generation(self.model, self.accelerator)
 
     # ------------------------------------------------------------------ phases
     def _scale(self, local: float) -> float:
@@ -181,11 +287,14 @@ class Trainer:
                 metrics: dict = {"step": step}
                 games = self.sampler.next(t.tasks_per_step)[rank::world]
                 t0 = time.perf_counter()
-                trajs, groups = rollout(step, games, engine, self.policy, envs, cfg, rank)
+                with self.generation_weights(engine):
+                    trajs, groups = rollout(step, games, engine, self.policy, envs, cfg, rank)
                 metrics["rollout_s"] = time.perf_counter() - t0
                 t1 = time.perf_counter()
+                engine.sleep()  # a colocated vLLM hands its GPU memory to the update
                 per_update, advantages = self.prepare_samples(trajs, groups, step, metrics)
                 self.update(per_update, metrics)
+                engine.wake_up()
                 engine.sync_weights(acc.unwrap_model(self.model))  # an external engine (vLLM) gets the weights here
                 metrics["train_s"] = time.perf_counter() - t1
                 metrics.update(rollout_metrics(trajs, acc))
@@ -196,13 +305,33 @@ class Trainer:
         return last or self.run_dir
 
     def save(self, step: int) -> Path | None:
-        self.accelerator.wait_for_everyone()
-        if not self.accelerator.is_main_process:
-            return None
+        acc = self.accelerator
+        acc.wait_for_everyone()
         state = {"sampler": self.sampler.state_dict(), "init_source": self.policy.init_source,
                  "finetune": self.policy.finetune}
+        if self.zero_stage >= 0:
+            return self._save_deepspeed(step, state)
+        if not acc.is_main_process:
+            return None
         path = save_checkpoint(self.run_dir, step, self.policy.save, self.optimizer, self.scheduler, state)
         log.info("checkpoint %s", path)
+        return path
+
+    def _save_deepspeed(self, step: int, state: dict) -> Path | None:
+        """Every process: weights gathered (ZeRO-3) and optimizer shards into the staging dir; main: the rest + rename."""
+        acc = self.accelerator
+        tmp = staging_dir(self.run_dir, step, clear=acc.is_main_process)
+        acc.wait_for_everyone()
+        weights = acc.get_state_dict(self.model)  # collective under ZeRO-3 (stage3_gather_16bit_weights_on_model_save)
+        self.model.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag="state",
+                                   exclude_frozen_parameters=self.policy.uses_adapter)
+        acc.wait_for_everyone()
+        path = None
+        if acc.is_main_process:
+            path = save_checkpoint(self.run_dir, step, lambda d: self.policy.save(d, state_dict=weights), None,
+                                   self.scheduler, state, staged=True)
+            log.info("checkpoint %s", path)
+        acc.wait_for_everyone()
         return path
 
 

@@ -4,6 +4,12 @@ Separate from the rollout loop (memexrl/trainer.py) so that anything producing
 `SegmentSample`s can train with it, the multi-turn trainer and the single-turn benchmark
 (`memexrl bench trainer`) alike. Under several processes, every process runs the same number
 of forward/backward passes (a zero-weight padding pass where it has fewer), or DDP would hang.
+
+Gradient accumulation: a minibatch has a variable number of micro-batches (its segment count
+depends on how often the agent compressed), so the optimizer-step boundary is marked here, at
+the last micro-batch, instead of being counted by `accelerator.accumulate` or by DeepSpeed's
+`gradient_accumulation_steps` (kept at 1, memexrl/trainer.py `configure_deepspeed`): see
+`_boundary`. Each minibatch gets exactly one optimizer step on every backend.
 """
 
 from __future__ import annotations
@@ -28,6 +34,38 @@ def max_over_processes(acc, n: int) -> int:
     if acc.num_processes == 1:
         return n
     return int(acc.reduce(torch.tensor([n], device=acc.device), reduction="max").item())
+
+
+def uses_deepspeed(acc) -> bool:
+    from accelerate.utils import DistributedType
+
+    return acc.distributed_type == DistributedType.DEEPSPEED
+
+
+def _boundary(acc, model, last: bool):
+    """Context for one micro-batch's backward: gradients reduce (and DeepSpeed steps) only at the last.
+
+    Plain / DDP: `no_sync` on all but the last micro-batch; the caller steps the optimizer.
+    DeepSpeed: `accelerator.sync_gradients` is handed to `engine.set_gradient_accumulation_boundary`
+    by `accelerator.backward`, which at the boundary also calls `engine.step()` (gradient clipping
+    from the DeepSpeed config, optimizer step, zero grad); the caller's `optimizer.step()` and
+    `zero_grad()` are then no-ops of accelerate's DeepSpeed wrapper.
+    """
+    if uses_deepspeed(acc):
+        acc.sync_gradients = last
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if last else acc.no_sync(model)
+
+
+def _grad_norm(acc, params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Clip to max_norm and return the pre-clip global norm.
+
+    Under DeepSpeed the engine already clipped at its step (gradient_clipping = train.max_grad_norm)
+    and `clip_grad_norm_` only returns the engine's `get_global_grad_norm()` (None: the step was
+    skipped, e.g. an fp16 overflow).
+    """
+    norm = acc.clip_grad_norm_(params, max_norm)
+    return float("nan") if norm is None else float(norm)
 
 
 def _padding_sample(pad: int) -> SegmentSample:
@@ -60,8 +98,7 @@ def update_policy(model, optimizer, scheduler, acc, samples_per_update: list[lis
             batch = collate(chunk or samples[:1] or [_padding_sample(pad)], pad, acc.device)
             if dummy:
                 batch.weights.zero_()
-            sync = contextlib.nullcontext() if j == n_micro - 1 else acc.no_sync(model)
-            with sync:
+            with _boundary(acc, model, last=j == n_micro - 1):
                 logp, ent = sequence_logprobs(model, batch, with_entropy=t.entropy_coef > 0)
                 tok_loss, parts = grpo.token_loss(
                     logp, batch.old_logprobs, batch.rollout_logprobs, batch.ref_logprobs, ent, batch.advantages,
@@ -78,7 +115,7 @@ def update_policy(model, optimizer, scheduler, acc, samples_per_update: list[lis
                 sums[key] += float((parts[part].detach().float() * m).sum())
             bar.update(len(chunk))
         if t.max_grad_norm > 0:
-            grad_norms.append(float(acc.clip_grad_norm_(params, t.max_grad_norm)))
+            grad_norms.append(_grad_norm(acc, params, t.max_grad_norm))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()

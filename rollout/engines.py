@@ -42,6 +42,13 @@ class Engine(abc.ABC):
         """Restart the sampling random stream (the trainer seeds each rollout step, so resumed runs match)."""
         return None
 
+    def sleep(self) -> None:
+        """Free accelerator memory while the trainer updates (colocated engines); no-op by default."""
+        return None
+
+    def wake_up(self) -> None:
+        return None
+
     def sync_weights(self, model: object = None) -> None:
         """Receive the trained policy's weights (no-op for engines sharing the module)."""
         return None

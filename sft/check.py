@@ -1,7 +1,8 @@
 """The quick check after SFT: the policy plays a few held-out games through the agent loop.
 
 Reports what the warm start is for: the share of steps with a well-formed tool call, success,
-and compress / read use per episode (issue "SFT warm start", point 5). Greedy decoding, the
+and compress / read use per episode (issue "SFT warm start", point 5). Greedy decoding by default
+(sft.check_temperature samples instead), the
 transformers engine with its KV cache, the env worker pool.
 """
 
@@ -43,14 +44,17 @@ def post_sft_check(cfg: Config, checkpoint: str | Path, out_dir: str | Path) -> 
     """Play cfg.sft.check_games games of cfg.sft.check_split with the checkpoint; write the report."""
     games = list_games(cfg.sft.check_split, cfg.env.data_dir)[: cfg.sft.check_games]
     model, tokenizer = load_policy(replace(cfg.model, name=str(checkpoint)))
-    engine = TransformersEngine(model, tokenizer, temperature=0.0, batch_size=cfg.rollout.batch_size, seed=cfg.seed)
+    engine = TransformersEngine(model, tokenizer, temperature=cfg.sft.check_temperature, batch_size=cfg.rollout.batch_size,
+                                seed=cfg.seed)
     jobs = [(f"check-{i}", str(g)) for i, g in enumerate(games)]
     with open_envs(cfg) as envs:
         trajs = run_episodes(jobs, engine, envs, make_renderer(tokenizer, cfg), cfg, progress=True)
-    report = {"checkpoint": str(checkpoint), "split": cfg.sft.check_split, **summarize(trajs)}
+    report = {"checkpoint": str(checkpoint), "split": cfg.sft.check_split, "temperature": cfg.sft.check_temperature,
+              **summarize(trajs)}
     out = Path(out_dir)
-    (out / "post_sft_check.json").write_text(json.dumps(report, indent=1))
-    with open(out / "post_sft_episodes.jsonl", "w") as f:
+    suffix = "" if cfg.sft.check_temperature == 0 else f"_t{cfg.sft.check_temperature:g}"
+    (out / f"post_sft_check{suffix}.json").write_text(json.dumps(report, indent=1))
+    with open(out / f"post_sft_episodes{suffix}.jsonl", "w") as f:
         for t in trajs:
             f.write(json.dumps(t.to_json()) + "\n")
     log.info("post-SFT check: %s", json.dumps(report))

@@ -91,12 +91,15 @@ def test_resolve_game_errors(alfworld_data, spec, message):
         resolve_game(spec, alfworld_data)
 
 
-def test_data_root_errors(tmp_path, monkeypatch):
+def test_data_root_errors_and_default_dest(tmp_path, monkeypatch):
     monkeypatch.delenv("ALFWORLD_DATA", raising=False)
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(MemexError, match="memexrl data alfworld"):
         data_root()
     with pytest.raises(MemexError, match=f"ALFWorld data not found at {tmp_path}"):
         data_root(str(tmp_path))
+    (tmp_path / "data" / "alfworld" / "json_2.1.1").mkdir(parents=True)  # where `memexrl data alfworld` unpacks
+    assert data_root() == Path("data/alfworld")
 
 
 def _tar(path: Path, names: list[str]) -> Path:

@@ -143,3 +143,21 @@ def test_resume_without_checkpoint_stops(tmp_path, capsys, alfworld_data, monkey
     assert len(err.splitlines()) == 1 and "no checkpoint" in err
     assert run(["--resume-from", str(tmp_path / "nowhere"), *overrides("tiny-qwen3-moe", tmp_path / "e2")]) == 2
     assert "not a GRPO checkpoint" in capsys.readouterr().err
+
+
+def test_int4_fake_quant_base_under_lora(tiny_eos_model, tmp_path, alfworld_data, monkeypatch):
+    """Path A of the paper's INT4 setting: the frozen base holds its INT4 (RTN, group) values, LoRA trains."""
+    monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_data))
+    from memexrl.quantize import fake_quant
+    from memexrl.trainer import Trainer
+
+    cfg = load_config("configs/tiny-cpu.yaml", overrides(tiny_eos_model, tmp_path / "fq", **{
+        "train.fake_quant_group_size": 32, "train.steps": 1}))
+    trainer = Trainer(cfg)
+    base = trainer.policy.model.get_base_model()
+    q_proj = base.model.layers[0].self_attn.q_proj.base_layer.weight
+    torch.testing.assert_close(q_proj, fake_quant(q_proj, 32), rtol=0, atol=1e-6)  # already on the INT4 grid
+    groups = q_proj.detach().reshape(q_proj.shape[0], -1, 32)  # (out, in / 32, 32)
+    assert max(len(torch.unique(g)) for g in groups.reshape(-1, 32)) <= 15  # q in [-7, 7]
+    trainer.train()
+    assert json.loads((tmp_path / "fq" / "metrics.jsonl").read_text().splitlines()[0])["num_updates"] == 1

