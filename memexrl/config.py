@@ -208,6 +208,7 @@ class TrainSection:
     save_steps: int = _help("Checkpoint every N rollout steps (the last step is always saved).", 10)
     wandb: bool = _help("Log to wandb (offline in RUN/wandb unless you are logged in).", True)
     log_trajectories: int = _help("Trajectories per step shown in the wandb table.", 4)
+    save_rollouts: bool = _help("Write each step's trajectories (design.md JSON, no tokens) to RUN/rollouts/.", True)
 
 
 @dataclass

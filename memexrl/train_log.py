@@ -9,6 +9,7 @@ metrics.jsonl, one object per rollout step (design.md "Run directory"):
   time      rollout_s, train_s
 wandb gets the same numbers under the prefixed names of WANDB_NAMES (style.md), plus a table
 of a few trajectories per step: one row per segment with its transcript, reward and advantage.
+RUN/rollouts/step-N.jsonl keeps every trajectory of step N (design.md trajectory JSON + advantage).
 """
 
 from __future__ import annotations
@@ -98,6 +99,13 @@ class RunLogger:
             return
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
+        if self.cfg.train.save_rollouts:
+            rollouts = self.run_dir / "rollouts"
+            rollouts.mkdir(exist_ok=True)
+            with open(rollouts / f"step-{metrics['step']}.jsonl", "w") as f:
+                for i, traj in enumerate(trajs):
+                    adv = advantages[i] if advantages else None
+                    f.write(json.dumps({**traj.to_json(), "advantage": adv}) + "\n")
         log.info(
             "step %d: success %.2f reward %.3f (ctx %.3f red %.3f fmt %.3f) peak W %.0f compress %.2f read %.2f "
             "loss %.4f kl %.4f clip %.3f grad %.3f | rollout %.0fs train %.0fs",

@@ -59,6 +59,9 @@ def test_run_directory_metrics_and_checkpoint(tiny_eos_model, tmp_path, alfworld
         assert r["grad_norm"] > 0
     assert records[1]["kl"] > 0  # the adapter moved away from the reference after one update
     assert (run_dir / "config.yaml").is_file()
+    step1 = [json.loads(x) for x in (run_dir / "rollouts" / "step-1.jsonl").read_text().splitlines()]
+    assert len(step1) == 4 and {"reward", "segments", "stats", "advantage"} <= step1[0].keys()
+    assert sum(t["advantage"] for t in step1) == pytest.approx(0.0, abs=1e-5)  # one group, normalised
     tables = list((run_dir / "wandb").glob("offline-run-*/files/media/table/rollout/trajectories_*.table.json"))
     assert len(tables) == 2  # one trajectory table per step, offline
     table = json.loads(tables[0].read_text())
