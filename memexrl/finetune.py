@@ -88,13 +88,12 @@ class Policy:
             self._reference = prepare_deepspeed(self._reference, accelerator)
 
 
-def _lora_config(cfg: Config):
+def lora_config(r: int, alpha: int, dropout: float, target_modules: str):
+    """A PEFT LoraConfig for a causal LM; `target_modules` is 'all-linear' or comma-separated names."""
     from peft import LoraConfig
 
-    t = cfg.train
-    targets = t.lora_target_modules if t.lora_target_modules == "all-linear" else t.lora_target_modules.split(",")
-    return LoraConfig(r=t.lora_r, lora_alpha=t.lora_alpha, lora_dropout=0.0, target_modules=targets,
-                      task_type="CAUSAL_LM")
+    targets = target_modules if target_modules == "all-linear" else target_modules.split(",")
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
 
 
 def init_source(cfg: Config) -> str:
@@ -155,7 +154,8 @@ def load_policy_for_grpo(cfg: Config, resume_from: Path | None = None, export_ba
             apply_fake_quant(model, group)  # trainable: a parametrization, straight-through gradients
         policy = Policy(model, tokenizer, finetune, source, reference, fake_quant=group)
     else:
-        model = get_peft_model(model, _lora_config(cfg))
+        t = cfg.train
+        model = get_peft_model(model, lora_config(t.lora_r, t.lora_alpha, 0.0, t.lora_target_modules))
         if resume_from is not None:
             set_peft_model_state_dict(model, load_file(str(resume_from / "adapter_model.safetensors")))
         if group:

@@ -121,6 +121,11 @@ def save_checkpoint(run_dir: Path, step: int, write_policy: Callable[[Path], Non
     (tmp / "rng.json").write_text(json.dumps(py_np))
     torch.save(torch_rng, tmp / "torch_rng.pt")
     (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
+    return publish(tmp, final)
+
+
+def publish(tmp: Path, final: Path) -> Path:
+    """Put a fully written staging directory in place of `final` with one rename."""
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final

@@ -12,14 +12,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from memexrl.config import Config
 from memexrl.errors import MemexError
+from memexrl.finetune import lora_config
 from memexrl.models import load_policy, resolve_device
 from memexrl.seeding import seed_everything
+from memexrl.train_state import STATE_FILE, publish, staging_dir
 from sft.dataset import build_dataset
 
 log = logging.getLogger(__name__)
@@ -29,16 +30,11 @@ TRAIN_COLUMNS = ("input_ids", "assistant_masks")
 
 def save_checkpoint(model, tokenizer, run_dir: Path, step: int, extra: dict[str, Any] | None = None) -> Path:
     """Write RUN/checkpoints/step-N atomically: a temp dir, then one rename."""
-    final = run_dir / "checkpoints" / f"step-{step}"
-    tmp = run_dir / "checkpoints" / f".tmp-step-{step}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(run_dir, step)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(extra or {})}, indent=1))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    return final
+    (tmp / STATE_FILE).write_text(json.dumps({"step": step, **(extra or {})}, indent=1))
+    return publish(tmp, run_dir / "checkpoints" / f"step-{step}")
 
 
 def _callbacks(run_dir: Path, save_steps: int, tokenizer):
@@ -86,7 +82,6 @@ def prepare_run_dir(cfg: Config, run_dir: Path) -> None:
 
 def run_sft(cfg: Config) -> Path:
     """Train, checkpoint and return the final checkpoint directory."""
-    from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
     s = cfg.sft
@@ -100,12 +95,7 @@ def run_sft(cfg: Config) -> Path:
     on_cpu = resolve_device(cfg.model.device).type == "cpu"
     if on_cpu and s.bf16:
         raise MemexError("sft.bf16=true needs a GPU; set sft.bf16=false on the CPU")
-    targets = s.lora_target_modules if s.lora_target_modules == "all-linear" else s.lora_target_modules.split(",")
-    peft_config = (
-        LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=s.lora_dropout, target_modules=targets,
-                   task_type="CAUSAL_LM")
-        if s.lora else None
-    )
+    peft_config = lora_config(s.lora_r, s.lora_alpha, s.lora_dropout, s.lora_target_modules) if s.lora else None
     has_val = "validation" in data
     args = SFTConfig(
         output_dir=str(run_dir / "trainer"),
