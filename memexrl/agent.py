@@ -48,6 +48,9 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str = "stop"  # stop | length | exhausted (a scripted policy ran out)
+    # False: the turn is played but not learned from (loss mask 0): the Memex expert's off-plan
+    # detours, which put recoverable mistakes into demonstrations (sft/detours.py).
+    trained: bool = True
 
 
 class Episode:
@@ -102,7 +105,9 @@ class Episode:
             self._end("script_exhausted")
             return None
         step = len(self.traj.steps)
-        self.context.add_assistant(completion.text, completion.token_ids, completion.logprobs, step)
+        self.context.add_assistant(
+            completion.text, completion.token_ids, completion.logprobs, step, trained=completion.trained
+        )
         parsed = parse_tool_call(completion.text, self.tools)
         record = Step(
             assistant=completion.text,

@@ -112,6 +112,20 @@ class RolloutConfig:
 
 
 @dataclass
+class ExpertConfig:
+    """The Memex expert of `memexrl expert` (sft/expert.py), beyond env.seed for ALFWorld's handcoded planner."""
+
+    detour_rate: float = _help(
+        "Chance, at each env action after `look`, that the expert first makes an off-plan move (re-visit, "
+        "wander, repeat) that is played but not trained (loss mask 0): the demonstrations then teach "
+        "recovery from the states a free-running policy reaches (long contexts past 0.8 T, loops). "
+        "An addition to the paper (its demonstrations are not described); 0 turns it off.",
+        0.0,
+    )
+    max_detours: int = _help("Most detours in one episode.", 4)
+
+
+@dataclass
 class SFTSection:
     """The SFT warm start (memex.md "Training": SFT on demonstrations that use the tools)."""
 
@@ -219,6 +233,7 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    expert: ExpertConfig = field(default_factory=ExpertConfig)
     sft: SFTSection = field(default_factory=SFTSection)
     train: TrainSection = field(default_factory=TrainSection)
 
@@ -235,6 +250,8 @@ class Config:
             (self.rollout.observation_role in ("tool", "user"), "rollout.observation_role must be 'tool' or 'user'"),
             (self.rollout.max_new_tokens > 0, "rollout.max_new_tokens must be > 0"),
             (self.rollout.temperature >= 0, "rollout.temperature must be >= 0"),
+            (0 <= self.expert.detour_rate < 1, "expert.detour_rate must be in [0, 1)"),
+            (self.expert.max_detours >= 0, "expert.max_detours must be >= 0"),
             (0 <= self.sft.validation_fraction < 1, "sft.validation_fraction must be in [0, 1)"),
             (self.sft.per_device_batch_size > 0, "sft.per_device_batch_size must be > 0"),
             (self.sft.gradient_accumulation_steps > 0, "sft.gradient_accumulation_steps must be > 0"),

@@ -65,7 +65,7 @@ def run_expert(
     cfg: Config, games: list, tokenizer, workers: int | None = None, *, store_factory=None, progress: bool = False
 ) -> tuple[list[Trajectory], MemexExpertEngine]:
     """Play the Memex expert on `games` (episode ids `g0`, `g1`, ...), a few chunks at a time; all trajectories."""
-    engine = MemexExpertEngine(tokenizer)
+    engine = MemexExpertEngine(tokenizer, cfg.expert.detour_rate, cfg.expert.max_detours, cfg.seed)
     renderer = make_renderer(tokenizer, cfg)
     jobs = [(f"g{i}", str(g)) for i, g in enumerate(games)]
     workers = cfg.env.num_workers if workers is None else workers
@@ -122,6 +122,7 @@ def make_demonstrations(
         "order": order,
         **demo_report(trajs),
         "expert_stops": dict(engine.stops),
+        "detours": dict(engine.detours),  # untrained off-plan moves by kind (sft/detours.py)
         "seconds": round(time.perf_counter() - start, 1),
     }
     return [t for t in trajs if t.success], report

@@ -26,6 +26,7 @@ random moves, which no policy could learn from the context).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -37,6 +38,8 @@ from pathlib import Path
 from memexrl.memory.anchors import extract_span
 from memexrl.memory.parsing import COMPRESS, EXECUTE_ACTION, READ
 from rollout.engines import GenerationRequest, ScriptedEngine
+from sft.dataset import game_id
+from sft.detours import choose_detour, detour_rng, detour_thought
 
 log = logging.getLogger(__name__)
 
@@ -197,12 +200,17 @@ class WorldNotes:
 class MemexExpertEngine(ScriptedEngine):
     """The Memex expert as an engine: each request's episode (`req.state`) decides the next turn."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, detour_rate: float = 0.0, max_detours: int = 4, seed: int = 0):
         super().__init__(tokenizer, {})
         # Why episodes were stopped: "no_plan" (the handcoded expert gave up) or "unseen_name" (its next
         # action names something neither in the context nor in the store: a random move the policy
         # could not have made, so the demonstration ends there).
         self.stops: Counter[str] = Counter()
+        # Off-plan detours (sft/detours.py): played, never trained.
+        self.detour_rate, self.max_detours, self.seed = detour_rate, max_detours, seed
+        self.detours: Counter[str] = Counter()  # by kind, over all episodes
+        self._detours_in: Counter[str] = Counter()  # by episode id
+        self._untrained: set[str] = set()  # episodes whose current turn is a detour
 
     def generate(self, requests: list[GenerationRequest]):
         for req in requests:
@@ -211,11 +219,17 @@ class MemexExpertEngine(ScriptedEngine):
             text = self.next_turn(req.state, req.max_new_tokens)
             if text is not None:  # None: no plan left, the script runs out and the episode ends
                 self.scripts.setdefault(req.episode_id, []).append(text)
-        return super().generate(requests)
+        completions = super().generate(requests)
+        for i, req in enumerate(requests):
+            if req.episode_id in self._untrained:
+                self._untrained.discard(req.episode_id)
+                completions[i] = dataclasses.replace(completions[i], trained=False)
+        return completions
 
     def release(self, episode_id: str) -> None:
         super().release(episode_id)
         self.scripts.pop(episode_id, None)
+        self._detours_in.pop(episode_id, None)
 
     # --- one turn ---------------------------------------------------------------------------------
     def next_turn(self, ep, budget: int) -> str | None:
@@ -247,7 +261,25 @@ class MemexExpertEngine(ScriptedEngine):
             log.debug("episode %s: %r names %s, seen nowhere: stopped", ep.id, action, missing)
             self.stops["unseen_name"] += 1
             return None
+        detour = self._detour(ep, notes, action)
+        if detour is not None:
+            kind, off_plan = detour
+            self.detours[kind] += 1
+            self._detours_in[ep.id] += 1
+            self._untrained.add(ep.id)
+            return self._fit([detour_thought(kind, off_plan)], EXECUTE_ACTION, {"action": off_plan}, budget)
         return self._fit([act_thought(action, notes, targets), ""], EXECUTE_ACTION, {"action": action}, budget)
+
+    def _detour(self, ep, notes: WorldNotes, planned: str) -> tuple[str, str] | None:
+        """(kind, action) of an untrained off-plan move before `planned`, drawn at `detour_rate`."""
+        if self.detour_rate <= 0 or self._detours_in[ep.id] >= self.max_detours:
+            return None
+        rng = detour_rng(self.seed, game_id(ep.traj.game), len(ep.traj.steps))
+        if rng.random() >= self.detour_rate:
+            return None
+        last = next((s.arguments["action"] for s in reversed(ep.traj.steps)
+                     if s.tool == EXECUTE_ACTION and not s.format_error and not s.error), "")
+        return choose_detour(rng, seen_items(notes.room) or [], notes.checked, notes.location, last, planned)
 
     def _should_compress(self, ep, notes: WorldNotes) -> bool:
         if notes.env_since_compress < 1 or ep.traj.steps[-1].tool == READ:

@@ -146,10 +146,13 @@ class WorkingContext:
         return "\n\n".join(m["content"] for m in working)
 
     # --- turns --------------------------------------------------------------------------------
-    def add_assistant(self, text: str, ids: list[int], logprobs: list[float], step: int) -> None:
-        """Append a sampled assistant turn: its ids are trained (mask 1) with the engine's log-probs."""
+    def add_assistant(
+        self, text: str, ids: list[int], logprobs: list[float], step: int, trained: bool = True
+    ) -> None:
+        """Append a sampled assistant turn: its ids are trained (mask 1, unless `trained` is False) with
+        the engine's log-probs."""
         self.messages.append({"role": "assistant", "content": text})
-        self.segment.extend(ids, trained=True, logprobs=logprobs)
+        self.segment.extend(ids, trained=trained, logprobs=logprobs)
         self.segment.last_step = step
         self._last_completion_ended = bool(ids) and ids[-1] == self.renderer.eos_token_id
 

@@ -1,0 +1,114 @@
+"""The Memex expert's untrained detours (sft/detours.py): off-plan moves that are played, never learned."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+
+from memexrl.cli import replay  # noqa: E402
+from memexrl.config import load_config  # noqa: E402
+from memexrl.memory.parsing import COMPRESS  # noqa: E402
+from sft.demos import ordered_games, run_expert  # noqa: E402
+from sft.detours import DETOUR_KINDS, choose_detour, detour_rng, detour_thought  # noqa: E402
+
+ROOM = ["cabinet 1", "cabinet 2", "countertop 1", "fridge 1", "sinkbasin 1"]
+
+
+def test_a_detour_is_never_the_planned_action():
+    for seed in range(200):
+        rng = random.Random(seed)
+        planned = rng.choice([f"go to {r}" for r in ROOM] + ["open fridge 1"])
+        got = choose_detour(rng, ROOM, ["cabinet 1", "fridge 1"], "fridge 1", "open fridge 1", planned)
+        assert got is not None
+        kind, action = got
+        assert kind in DETOUR_KINDS and action != planned
+        if kind == "wander":
+            assert action.removeprefix("go to ") in {"cabinet 2", "countertop 1", "sinkbasin 1"}
+        elif kind == "revisit":
+            assert action == "go to cabinet 1"  # checked, and not where the agent stands
+        else:
+            assert action == "open fridge 1"
+
+
+def test_no_detour_when_nothing_applies():
+    rng = random.Random(0)
+    # Only one receptacle, the agent is there, and its last action (go to) is not safe to repeat.
+    assert choose_detour(rng, ["fridge 1"], ["fridge 1"], "fridge 1", "go to fridge 1", "open fridge 1") is None
+    # The only option is the plan itself.
+    assert choose_detour(rng, ["fridge 1", "cabinet 1"], [], "fridge 1", "look", "go to cabinet 1") is None
+
+
+def test_detours_are_deterministic_per_game_and_step():
+    a = [detour_rng(0, "train/x/trial_1", 5).random() for _ in range(2)]
+    assert a[0] == a[1]
+    assert detour_rng(0, "train/x/trial_1", 6).random() != a[0]
+    assert detour_rng(1, "train/x/trial_1", 5).random() != a[0]
+    assert "cabinet 2" in detour_thought("wander", "go to cabinet 2")
+
+
+# ----------------------------------------------------------------------------- real games
+@pytest.fixture(scope="module")
+def detoured(alfworld_data, smol_tokenizer):
+    """The expert with many detours on 6 valid_seen games of mixed task types: (cfg, trajectories, engine)."""
+    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "memory.threshold=1000", "expert.detour_rate=0.4"])
+    games = ordered_games("valid_seen", alfworld_data, "mixed")[:6]
+    trajs, engine = run_expert(cfg, games, smol_tokenizer, workers=2)
+    return cfg, trajs, engine
+
+
+def is_detour(step) -> bool:
+    action = (step.arguments or {}).get("action", "")
+    return any(step.assistant.startswith(detour_thought(kind, action)) for kind in DETOUR_KINDS)
+
+
+def trained_texts(traj, tokenizer) -> list[str]:
+    """The decoded runs of loss-mask-1 tokens of a trajectory's segments, in order."""
+    texts = []
+    for seg in traj.segments:
+        run: list[int] = []
+        for tok, m in zip(seg.completion_ids + [None], seg.loss_mask + [0]):
+            if m:
+                run.append(tok)
+            elif run:
+                texts.append(tokenizer.decode(run, skip_special_tokens=True).strip())
+                run = []
+    return texts
+
+
+@pytest.mark.slow
+def test_detour_turns_are_played_but_not_trained(detoured, smol_tokenizer):
+    _, trajs, engine = detoured
+    detours = [s for t in trajs for s in t.steps if is_detour(s)]
+    assert len(detours) == sum(engine.detours.values()) > 0
+    for t in trajs:
+        # Exactly the non-detour turns carry loss mask 1, token for token.
+        assert trained_texts(t, smol_tokenizer) == [s.assistant.strip() for s in t.steps if not is_detour(s)]
+
+
+@pytest.mark.slow
+def test_demos_with_detours_still_win_and_replay(detoured, smol_tokenizer):
+    cfg, trajs, _ = detoured
+    won = [t for t in trajs if t.success]
+    assert len(won) >= 4
+    assert any(any(is_detour(s) for s in t.steps) for t in won)
+    for t in won:
+        assert t.stats["num_format_errors"] == 0
+        out = replay(t.game, [s.assistant for s in t.steps], cfg, smol_tokenizer)
+        assert out["success"] is True and out["experience"] == t.experience
+
+
+@pytest.mark.slow
+def test_detours_lead_to_compressions_under_the_warning(detoured):
+    """The point of the detours: demonstrations where the expert compresses once W passed 0.8 T."""
+    cfg, trajs, _ = detoured
+    warn = cfg.memory.warn_ratio * cfg.memory.threshold
+    under_warning = [
+        t.steps[i]
+        for t in trajs
+        for i in range(1, len(t.steps))
+        if t.steps[i].tool == COMPRESS and t.steps[i - 1].working_tokens > warn
+    ]
+    assert under_warning and all(s.compressed for s in under_warning)
