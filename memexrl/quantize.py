@@ -188,6 +188,51 @@ def remove_fake_quant(model: nn.Module) -> int:
     return removed
 
 
+def pack_weight(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """The compressed-tensors tensors of one quantised ``NAME.weight``, by suffix: ``weight_packed``
+    int32 [out, ceil(in/8)], ``weight_scale`` [out, in/group_size], ``weight_shape`` int64 [2]."""
+    q, scale = quantize_rtn(weight, group_size)
+    shape = torch.tensor(weight.shape, dtype=torch.int64)
+    return {"weight_packed": pack_int4(q), "weight_scale": scale, "weight_shape": shape}
+
+
+@dataclass(frozen=True)
+class Int4Layout:
+    """What an INT4 checkpoint holds: its group size and the modules stored as ``weight_packed``."""
+
+    group_size: int
+    modules: frozenset[str]
+
+
+def int4_layout(model_dir) -> Int4Layout | None:
+    """The INT4 layout of a checkpoint directory (None: not quantised).
+
+    Only the compressed-tensors ``pack-quantized`` format (what `quantize_checkpoint` writes) can be
+    re-quantised from trained weights; other quantised formats (GPTQ) raise: they serve LoRA training,
+    whose adapter sync leaves the base untouched.
+    """
+    path = Path(model_dir).expanduser()
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise MemexError(f"cannot read {path / 'config.json'} ({e}): is {path} a model directory?") from None
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "pack-quantized":
+        raise MemexError(
+            f"{path} is quantised as {qc.get('quant_method')}/{qc.get('format')}; full-weight sync re-quantises "
+            "only compressed-tensors pack-quantized checkpoints: make one with `memexrl quantize`, or train "
+            "LoRA (train.finetune=lora), whose adapter sync leaves the quantised base as it is")
+    from safetensors import safe_open
+
+    modules = set()
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            modules |= {k.removesuffix(".weight_packed") for k in f.keys() if k.endswith(".weight_packed")}
+    return Int4Layout(int(qc["config_groups"]["group_0"]["weights"]["group_size"]), frozenset(modules))
+
+
 def quantization_config(group_size: int, ignore: list[str]) -> dict:
     """config.json's ``quantization_config`` (the block of slime's convert_hf_to_int4_direct.py)."""
     weights = {
@@ -237,10 +282,7 @@ def quantize_checkpoint(
             for name, t in tensors.items():
                 base = name.removesuffix(".weight")
                 if t.is_floating_point() and is_quant_target(name, t.shape, group_size, experts_only):
-                    q, scale = quantize_rtn(t, group_size)
-                    written[f"{base}.weight_packed"] = pack_int4(q)  # int32 [out, ceil(in/8)]
-                    written[f"{base}.weight_scale"] = scale  # [out, in/group_size]
-                    written[f"{base}.weight_shape"] = torch.tensor(t.shape, dtype=torch.int64)
+                    written.update({f"{base}.{k}": v for k, v in pack_weight(t, group_size).items()})
                     quantized.append(base)
                 else:
                     written[name] = t

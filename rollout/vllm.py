@@ -36,6 +36,14 @@ Weight sync after each update (`sync_weights(model)`):
   lm_head and the CPU MoE experts' pre-packed kernels stale, and its LoRA on MoE models needs
   Triton (vLLM-CPU's limits, not this module's: the CPU test uses a dense model for both syncs).
   The prefix cache is reset afterwards (its keys were computed with the old weights).
+  Weights under INT4 fake-quant (full fine-tuning, path B of memex.md "Training") go as the forward
+  uses them: when vLLM serves a `memexrl quantize` checkpoint (compressed-tensors pack-quantized),
+  every module it holds in INT4 is re-quantised from the trained latent weights with the same RTN
+  scheme and sent as weight_packed / weight_scale / weight_shape, which the layerwise reload takes
+  in checkpoint format; otherwise the fake-quant values go. Checked on vLLM-CPU 0.32 (bf16: its
+  INT4 kernel takes no float32): after a sync vLLM's tokens and log-probs equal those of a fresh
+  INT4 checkpoint of the trained weights. Under ZeRO-3 the parameters are sharded and this sync
+  does not gather them (not implemented: the trainer refuses vLLM with ZeRO-3 full fine-tuning).
 - full fine-tuning, server: not implemented (a MemexError says so). The route is the server's
   RL weight-transfer API (`--weight-transfer-config`, `/init_weight_transfer_engine`, then
   `/update_weights` over NCCL), or restarting the server from a saved checkpoint.
@@ -45,6 +53,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import tempfile
 import urllib.request
@@ -53,6 +62,7 @@ from pathlib import Path
 
 from memexrl.agent import Completion
 from memexrl.errors import MemexError
+from memexrl.quantize import FakeQuant, Int4Layout, fake_quant, int4_layout, pack_weight
 from rollout.engines import Engine, GenerationRequest
 
 EXTENSION = "rollout.vllm.WorkerWeightSync"
@@ -95,19 +105,65 @@ def stop_token_ids(tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def checkpoint_state_dict(model) -> dict:
-    """The model's tensors under the names its checkpoint uses (what vLLM's `load_weights` expects)."""
+_LATENT = re.compile(r"\.parametrizations\.(\w+)\.original$")  # a parametrized tensor's latent value
+
+
+def checkpoint_state_dict(model, int4: Int4Layout | None = None) -> dict:
+    """The model's tensors under the names its checkpoint uses (what vLLM's `load_weights` expects),
+    as the trainer's forward sees them.
+
+    A weight under INT4 fake-quant (a `FakeQuant` parametrization: full fine-tuning, path B of
+    memex.md "Training") goes as the weights the forward uses: its fake-quant value, or, when vLLM
+    serves a pack-quantized INT4 checkpoint (`int4`), the INT4 tensors of its latent weight
+    (weight_packed / weight_scale / weight_shape: dequantised, exactly the fake-quant value). Every
+    module that `int4` stores quantised is re-quantised so; the rest goes as it is.
+    """
+    groups = {
+        f"{name}.{p}" if name else p: plist[0].group_size
+        for name, module in model.named_modules()
+        for p, plist in (getattr(module, "parametrizations", None) or {}).items()
+        if isinstance(plist[0], FakeQuant)
+    }
     state, seen = {}, set()
     for k, v in model.state_dict().items():
-        if v.data_ptr() in seen:  # a tied copy (lm_head of tied embeddings): vLLM ties it itself
+        if v.numel() and v.data_ptr() in seen:  # a tied copy (lm_head of tied embeddings): vLLM ties it itself
             continue
         seen.add(v.data_ptr())
+        latent = _LATENT.search(k)
+        if latent:
+            k = k[: latent.start()] + "." + latent.group(1)
+            if k in groups and int4 is None:
+                v = fake_quant(v, groups[k])
+            elif k in groups and groups[k] != int4.group_size:
+                raise MemexError(
+                    f"the trainer fake-quantises with group size {groups[k]} but vLLM serves INT4 of group size "
+                    f"{int4.group_size}: set train.fake_quant_group_size={int4.group_size}")
         state[k] = v.detach()
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers 4.x keeps checkpoint names in memory
-        return state
-    return revert_weight_conversion(model, state)
+        pass
+    else:
+        state = revert_weight_conversion(model, state)
+    return requantize(state, int4) if int4 is not None else state
+
+
+def requantize(state: dict, int4: Int4Layout) -> dict:
+    """`state` with every ``NAME.weight`` of a module in `int4.modules` replaced by its INT4 tensors."""
+    out, done = {}, set()
+    for k, v in state.items():
+        base = k.removesuffix(".weight")
+        if k.endswith(".weight") and base in int4.modules:
+            out.update({f"{base}.{suffix}": t for suffix, t in pack_weight(v, int4.group_size).items()})
+            done.add(base)
+        else:
+            out[k] = v
+    missing = int4.modules - done
+    if missing:
+        raise MemexError(
+            f"vLLM's INT4 checkpoint quantises {len(missing)} modules the trained model does not have (e.g. "
+            f"{sorted(missing)[0]}): rollout.vllm_model must be `memexrl quantize` of this model")
+    return out
 
 
 def buckets(state: dict, limit: int = BUCKET_BYTES):
@@ -130,7 +186,7 @@ class VLLMEngine(Engine):
     def __init__(self, tokenizer, *, llm=None, server_url: str | None = None, served_model: str = "",
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                  adapter_dir: str | None = None, bucket_bytes: int = BUCKET_BYTES, timeout_s: float = 600.0,
-                 sleep_mode: bool = False):
+                 sleep_mode: bool = False, model_dir: str = ""):
         if (llm is None) == (server_url is None):
             raise MemexError("VLLMEngine needs exactly one of llm (colocate) or server_url (server)")
         self.tokenizer, self.llm = tokenizer, llm
@@ -144,6 +200,7 @@ class VLLMEngine(Engine):
         self.lora_request = None  # the current LoRARequest (colocate) / adapter name (server)
         self.version = 0
         self.generated_tokens = 0
+        self.model_dir = model_dir  # the weights vLLM loaded: an INT4 checkpoint makes full sync re-quantise
 
     # --- sampling -------------------------------------------------------------------------------
     def reseed(self, seed: int) -> None:
@@ -265,7 +322,7 @@ class VLLMEngine(Engine):
                 "/init_weight_transfer_engine, /update_weights; rollout/vllm.py)")
         from safetensors.torch import save
 
-        state = checkpoint_state_dict(model)
+        state = checkpoint_state_dict(model, int4_layout(self.model_dir) if self.model_dir else None)
         rpc = hasattr(self.llm, "collective_rpc")
         for bucket in buckets(state, self.bucket_bytes):
             if rpc:  # RPC args are msgpack: tensors travel as safetensors bytes
@@ -306,7 +363,8 @@ def make_vllm_engine(cfg, model_dir: str, tokenizer, *, server_url: str | None =
     accepted = _engine_args() | set(inspect.signature(LLM.__init__).parameters)
     kwargs = {k: v for k, v in kwargs.items() if k in accepted}
     llm = LLM(model=str(model_dir), **kwargs)
-    return VLLMEngine(tokenizer, llm=llm, sleep_mode=bool(kwargs.get("enable_sleep_mode")), **common)
+    return VLLMEngine(tokenizer, llm=llm, sleep_mode=bool(kwargs.get("enable_sleep_mode")), model_dir=str(model_dir),
+                      **common)
 
 
 def _engine_args() -> set[str]:

@@ -1,0 +1,80 @@
+"""What the vLLM engine's full-weight sync sends (rollout/vllm.py `checkpoint_state_dict`), on the CPU
+without vLLM: checkpoint names, INT4 fake-quant weights as the forward uses them, and re-quantisation
+into the `memexrl quantize` format (path B). tests/test_vllm_engine.py loads them into vLLM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from memexrl import model_zoo
+from memexrl.config import ModelConfig
+from memexrl.errors import MemexError
+from memexrl.models import load_policy
+from memexrl.quantize import apply_fake_quant, fake_quant, int4_layout, quantize_checkpoint
+from rollout.vllm import checkpoint_state_dict
+
+Q_PROJ = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(model under INT4 fake-quant, group 32; the directory of its latent weights): the tiny Qwen3-MoE,
+    its weights moved as by training, saved, then fake-quantised as the trainer does for path B."""
+    torch.set_num_threads(1)
+    model = load_policy(ModelConfig(name=model_zoo.TINY_MOE_ALIAS, device="cpu"), for_training=True)[0]
+    with torch.no_grad():
+        torch.manual_seed(0)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    path = tmp_path_factory.mktemp("trained") / "model"
+    model.save_pretrained(str(path))
+    assert apply_fake_quant(model, 32)
+    return model, path
+
+
+def checkpoint_tensors(path: Path) -> dict:
+    out = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(shard)))
+    return out
+
+
+def test_int4_sync_sends_exactly_the_quantized_checkpoint(trained, tmp_path):
+    model, path = trained
+    result = quantize_checkpoint(path, tmp_path / "int4", 32)
+    layout = int4_layout(result.out_dir)
+    assert layout.group_size == 32 and layout.modules == set(result.quantized)
+    sent = checkpoint_state_dict(model, layout)
+    expected = checkpoint_tensors(result.out_dir)
+    assert sent.keys() == expected.keys()  # per-expert checkpoint names, weight_packed/scale/shape
+    for name, tensor in expected.items():
+        assert torch.equal(sent[name], tensor), name
+
+
+def test_sync_without_int4_sends_the_fake_quant_weights(trained):
+    model, path = trained
+    sent = checkpoint_state_dict(model)
+    latent = checkpoint_tensors(path)
+    assert sent.keys() == latent.keys()  # plain names: no parametrizations.*.original
+    assert torch.equal(sent[f"{Q_PROJ}.weight"], fake_quant(latent[f"{Q_PROJ}.weight"], 32))
+    assert not torch.equal(sent[f"{Q_PROJ}.weight"], latent[f"{Q_PROJ}.weight"])
+    assert torch.equal(sent["model.embed_tokens.weight"], latent["model.embed_tokens.weight"])  # not quantised
+
+
+def test_int4_layouts_that_do_not_fit(trained, tmp_path):
+    model, path = trained
+    assert int4_layout(path) is None  # not quantised: the sync sends full precision
+    with pytest.raises(MemexError, match="fake_quant_group_size=64"):
+        checkpoint_state_dict(model, int4_layout(quantize_checkpoint(path, tmp_path / "g64", 64).out_dir))
+    gptq = tmp_path / "gptq"
+    gptq.mkdir()
+    (gptq / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    with pytest.raises(MemexError, match="memexrl quantize"):
+        int4_layout(gptq)
+    with pytest.raises(MemexError, match="model directory"):
+        int4_layout(tmp_path / "missing")
