@@ -21,8 +21,9 @@
 #   train.finetune=lora (or qlora) with a server, or a colocated vLLM for full fine-tuning.
 # - The adapter directory must be readable by the server: the trainer writes it under $TMPDIR (Python's
 #   tempfile); on another machine point TMPDIR at a shared filesystem on the trainer's side.
-# - One training process per server: every process loads its adapter under the same name (policy-vN), and
-#   the server refuses a second load of a name (HTTP 400), so several processes need several servers.
+# - Several training processes may share a server: each engine loads its adapters under its own names
+#   (policy-<pid>-<random>-vN; tests/test_vllm_engine.py runs two against one vllm serve). Each process holds
+#   two versions for a moment (the new loads before the old unloads): MAX_LORAS >= 2 x processes.
 # - --logprobs-mode raw_logprobs (the trainer compares raw log-probs, before temperature) exists in vLLM
 #   >= 0.10.2 and is its default in recent versions; set LOGPROBS_MODE= (empty) for older versions.
 # Not verified here: written on a CPU machine; flags checked against vLLM 0.32's engine arguments.
@@ -34,6 +35,7 @@ HOST=${HOST:-0.0.0.0}
 PORT=${PORT:-8000}
 GPU_MEM_UTIL=${GPU_MEM_UTIL:-0.90}
 MAX_LORA_RANK=${MAX_LORA_RANK:-16}        # >= train.lora_r; vLLM accepts 1, 8, 16, 32, 64, 128, 256, ...
+MAX_LORAS=${MAX_LORAS:-2}                 # >= 2 x the training processes using this server
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-32768}     # = rollout.max_context_tokens (the paper's 32K window)
 TP=${TP:-1}                               # tensor parallel GPUs (INT4 30B fits one GPU)
 LOGPROBS_MODE=${LOGPROBS_MODE-raw_logprobs}
@@ -53,7 +55,7 @@ args=(
   --max-model-len "$MAX_MODEL_LEN"
   --gpu-memory-utilization "$GPU_MEM_UTIL"
   --tensor-parallel-size "$TP"
-  --enable-lora --max-lora-rank "$MAX_LORA_RANK" --max-loras 2   # the new adapter loads before the old unloads
+  --enable-lora --max-lora-rank "$MAX_LORA_RANK" --max-loras "$MAX_LORAS"   # a new adapter loads before the old unloads
   --enable-prefix-caching                                        # turns of an episode share their prefix
 )
 [[ -n $LOGPROBS_MODE ]] && args+=(--logprobs-mode "$LOGPROBS_MODE")

