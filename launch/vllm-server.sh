@@ -17,8 +17,9 @@
 # On an 80 GB GPU at 0.90: ~50 GiB of KV (~540K tokens).
 #
 # Limits of server mode in this code base (rollout/vllm.py), stated honestly:
-# - LoRA adapters only: full-weight sync to a server is not implemented (a MemexError says so); use
-#   train.finetune=lora (or qlora) with a server, or a colocated vLLM for full fine-tuning.
+# - Full fine-tuning: start with FULL_SYNC=1 (VLLM_SERVER_DEV_MODE=1 and our worker extension): each sync
+#   writes the weights as safetensors buckets next to the adapters and the workers load them through
+#   /collective_rpc. Dev mode exposes control endpoints: keep the port on the cluster's private network.
 # - The adapter directory must be readable by the server: the trainer writes it under $TMPDIR (Python's
 #   tempfile); on another machine point TMPDIR at a shared filesystem on the trainer's side.
 # - Several training processes may share a server: each engine loads its adapters under its own names
@@ -59,5 +60,9 @@ args=(
   --enable-prefix-caching                                        # turns of an episode share their prefix
 )
 [[ -n $LOGPROBS_MODE ]] && args+=(--logprobs-mode "$LOGPROBS_MODE")
+if [[ ${FULL_SYNC:-0} == 1 ]]; then  # full-weight sync from the trainer (rollout/vllm.py), needs memexrl here
+  export VLLM_SERVER_DEV_MODE=1
+  args+=(--worker-extension-cls rollout.vllm.WorkerWeightSync)
+fi
 echo "vLLM server: $MODEL on http://$HOST:$PORT (rollout.vllm_server_url=http://$(hostname):$PORT)"
 exec vllm serve "${args[@]}" "$@"

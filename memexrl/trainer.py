@@ -163,10 +163,6 @@ class Trainer:
         cpu = (cfg.model.device == "cpu" or not torch.cuda.is_available()) and not deepspeed_launched()
         self.accelerator = Accelerator(cpu=cpu, mixed_precision=t.mixed_precision)
         self.zero_stage = configure_deepspeed(self.accelerator, t)
-        if self.zero_stage == 3 and cfg.rollout.engine == "vllm":
-            raise MemexError("the vLLM engine under DeepSpeed ZeRO-3 is not supported: its weight sync does not gather "
-                             "sharded parameters; use ZeRO-2 (configs/accelerate/zero2-8gpu.yaml) or "
-                             "rollout.engine=transformers")
         world = self.accelerator.num_processes
         if t.tasks_per_step % world or t.global_batch_size % world:
             raise MemexError(f"train.tasks_per_step ({t.tasks_per_step}) and train.global_batch_size "
@@ -220,8 +216,8 @@ class Trainer:
         TRL's `unwrap_model_for_generation` gathers every parameter on every process (and lifts
         DeepSpeed's hooks) for the phase: a full copy of the model per process, fine for small
         models. Large models use the vLLM engine (rollout.engine: vllm), which holds its own copy of
-        the weights; it is refused under ZeRO-3 (its `sync_weights` would have to gather the sharded
-        module, e.g. module by module with `deepspeed.zero.GatheredParameters`: not implemented).
+        the weights; its `sync_weights` gathers the sharded parameters itself, one at a time
+        (rollout/vllm.py `full_state_dict`).
         """
         if self.zero_stage != 3 or not isinstance(engine, TransformersEngine):
             return contextlib.nullcontext()

