@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from memexrl.agents import AgentSpec, chain_message, last_turns, state_summary
 from memexrl.config import Config
 from memexrl.memory.context import ChatRenderer, WorkingContext
 from memexrl.memory.parsing import (
-    COMPRESS,
     EXECUTE_ACTION,
     FINISH,
     NO_CALL_MESSAGE,
@@ -36,7 +36,8 @@ from rewards import score_trajectory
 if TYPE_CHECKING:
     from envs.pool import EnvResult
 
-MEMEX_TOOLS = (EXECUTE_ACTION, COMPRESS, READ, FINISH)
+MEMEX_AGENT = AgentSpec()
+MEMEX_TOOLS = MEMEX_AGENT.tools
 FINISHED_MESSAGE = "Episode finished."
 
 
@@ -63,13 +64,15 @@ class Episode:
         renderer: ChatRenderer,
         store: ExperienceStore,
         cfg: Config,
-        tools: tuple[str, ...] = MEMEX_TOOLS,
+        agent: AgentSpec = MEMEX_AGENT,
     ):
         self.id = episode_id
         self.renderer = renderer
         self.store = store
         self.cfg = cfg
-        self.tools = tools
+        self.agent = agent  # what stays in context (memexrl/agents.py): memex or a baseline
+        self.tools = agent.tools
+        self._chain: list[str] = []  # M²: the state summary of every reply
         self.traj = Trajectory(game=game, task_type="", goal="")
         self.context: WorkingContext | None = None
         self.done = False
@@ -85,9 +88,12 @@ class Episode:
         info = self.last_info = answer.info
         self.traj.task_type = info.get("task_type", "")
         self.traj.goal = info.get("goal", "")
-        system = system_prompt(self.tools, self.cfg.memory.threshold, not self.renderer.template_has_tools)
+        a = self.agent
+        system = system_prompt(a.tools, self.cfg.memory.threshold, not self.renderer.template_has_tools,
+                               store=a.store, chain=a.chain, insights=a.insights)
         self.context = WorkingContext(
-            self.renderer, system, task_message(answer.obs), self.cfg.memory.threshold, self.cfg.memory.warn_ratio
+            self.renderer, system, task_message(answer.obs), self.cfg.memory.threshold, self.cfg.memory.warn_ratio,
+            show_status=a.status,
         )
 
     def request_ids(self) -> list[int]:
@@ -108,7 +114,9 @@ class Episode:
         self.context.add_assistant(
             completion.text, completion.token_ids, completion.logprobs, step, trained=completion.trained
         )
-        parsed = parse_tool_call(completion.text, self.tools)
+        parsed = parse_tool_call(completion.text, self.tools, self.agent.optional_arguments)
+        if self.agent.chain:
+            self._chain.append(state_summary(completion.text))
         record = Step(
             assistant=completion.text,
             tool=parsed.name,
@@ -133,7 +141,7 @@ class Episode:
             record.error = outcome.error
             return self._observe(record, outcome.observation)
         outcome = run_compress(
-            args, self.context, self.store, step, self.cfg.memory.summary_max_tokens, self.cfg.memory.summary_cap_mode
+            args, self.context, self.store if self.agent.store else None, step, self.cfg.memory.summary_max_tokens, self.cfg.memory.summary_cap_mode
         )
         record.error = outcome.error
         if not outcome.compressed:
@@ -164,8 +172,22 @@ class Episode:
     def _observe(self, record: Step, body: str, end: str | None = None) -> None:
         assert self.context is not None
         record.observation, record.working_tokens = self.context.add_observation(body, self.store.indices())
+        if end is None:
+            record.working_tokens = self._apply_context_policy(len(self.traj.steps), record.working_tokens)
         self._record(record, end)
         return None
+
+    def _apply_context_policy(self, step: int, working: int) -> int:
+        """A baseline's context after an observation (truncate: last k turns; M²: summary chain); W after it."""
+        assert self.context is not None
+        a, messages = self.agent, self.context.messages
+        if a.chain:
+            return self.context.rebuild(chain_message(self._chain, messages[-1]), step)
+        if a.keep_turns:
+            kept = last_turns(messages[2:], a.keep_turns)
+            if kept is not None:
+                return self.context.rebuild(kept, step)
+        return working
 
     def _record(self, record: Step, end: str | None = None) -> None:
         self.traj.steps.append(record)

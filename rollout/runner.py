@@ -17,7 +17,8 @@ from typing import Protocol
 
 from tqdm.auto import tqdm
 
-from memexrl.agent import MEMEX_TOOLS, Episode
+from memexrl.agent import MEMEX_AGENT, Episode
+from memexrl.agents import AgentSpec
 from memexrl.config import Config
 from memexrl.memory.context import ChatRenderer
 from memexrl.memory.prompts import tool_schemas
@@ -70,8 +71,8 @@ def open_envs(cfg: Config, num_workers: int | None = None) -> Envs:
     return EnvPool(workers, env_kwargs(cfg)) if workers > 0 else InlineEnvs(env_kwargs(cfg))
 
 
-def make_renderer(tokenizer, cfg: Config, tools: tuple[str, ...] = MEMEX_TOOLS) -> ChatRenderer:
-    return ChatRenderer(tokenizer, tool_schemas(tools), cfg.rollout.observation_role)
+def make_renderer(tokenizer, cfg: Config, agent: AgentSpec = MEMEX_AGENT) -> ChatRenderer:
+    return ChatRenderer(tokenizer, tool_schemas(agent.tools, agent.store), cfg.rollout.observation_role)
 
 
 def run_episodes(
@@ -81,7 +82,7 @@ def run_episodes(
     renderer: ChatRenderer,
     cfg: Config,
     *,
-    tools: tuple[str, ...] = MEMEX_TOOLS,
+    agent: AgentSpec = MEMEX_AGENT,
     store_factory: Callable[[str], ExperienceStore] | None = None,
     progress: bool = False,
     times: RolloutTimes | None = None,
@@ -91,7 +92,7 @@ def run_episodes(
     make_store = store_factory or (
         lambda _id: open_store(cfg.memory.backend, cfg.memory.sqlite_path, namespace=_id)
     )
-    episodes = {eid: Episode(eid, str(game), renderer, make_store(eid), cfg, tools) for eid, game in jobs}
+    episodes = {eid: Episode(eid, str(game), renderer, make_store(eid), cfg, agent) for eid, game in jobs}
     t0 = time.perf_counter()
     for answer in envs.reset_many([(eid, str(game)) for eid, game in jobs]):
         episodes[answer.episode_id].start(answer)

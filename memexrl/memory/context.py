@@ -113,10 +113,12 @@ def with_status(body: str, measure: Callable[[str], int], status: Callable[[int]
 class WorkingContext:
     """One episode's context: messages plus the token buffer of the current segment."""
 
-    def __init__(self, renderer: ChatRenderer, system: str, task: str, threshold: int, warn_ratio: float = 0.8):
+    def __init__(self, renderer: ChatRenderer, system: str, task: str, threshold: int, warn_ratio: float = 0.8,
+                 show_status: bool = True):
         self.renderer = renderer
         self.threshold = threshold
         self.warn_ratio = warn_ratio
+        self.show_status = show_status  # the context status after observations (Memex's soft trigger)
         self.messages: list[dict] = [{"role": "system", "content": system}, {"role": "user", "content": task}]
         self.header_len = len(renderer.prompt_ids(self.messages, add_generation_prompt=False))
         self.segments: list[Segment] = []
@@ -165,7 +167,10 @@ class WorkingContext:
         def measure(text: str) -> int:
             return base + renderer.count(renderer.suffix_text(renderer.observation_message(text), ended))
 
-        text, working = with_status(body, measure, self._status(indices, extra_messages=1))
+        if self.show_status:
+            text, working = with_status(body, measure, self._status(indices, extra_messages=1))
+        else:
+            text, working = body, measure(body)
         message = renderer.observation_message(text)
         self.messages.append(message)
         self.segment.extend(renderer.encode(renderer.suffix_text(message, ended)), trained=False)
@@ -184,6 +189,14 @@ class WorkingContext:
         self._start_segment(first_step=step + 1)
         self._last_completion_ended = True
         return text, working
+
+    def rebuild(self, working: list[dict], step: int) -> int:
+        """Replace the working messages by `working` (a baseline's own context policy: the last k turns, a
+        summary chain); the next segment starts from [system, task, *working]. Returns the new W."""
+        self.messages = self.messages[:2] + working
+        self._start_segment(first_step=step + 1)
+        self._last_completion_ended = True
+        return self.working_tokens
 
     def _status(self, indices: list[str], extra_messages: int, base: list | None = None) -> Callable[[int], str]:
         n_messages = len(base if base is not None else self.messages) + extra_messages

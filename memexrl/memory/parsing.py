@@ -132,11 +132,13 @@ def _malformed(message: str) -> ParsedCall:
     return ParsedCall(kind="malformed", error=f"Format error: {message}. Use exactly: {CALL_EXAMPLE}")
 
 
-def parse_tool_call(text: str, tools: tuple[str, ...] | None = None) -> ParsedCall:
+def parse_tool_call(text: str, tools: tuple[str, ...] | None = None, optional: tuple[str, ...] = ()) -> ParsedCall:
     """Parse one assistant reply into a tool call.
 
     `tools` restricts the accepted tool names (e.g. baselines without memory tools);
-    None accepts all four. Thinking blocks (<think>...</think>) are ignored.
+    None accepts all four. `optional` names arguments that are not required here (the
+    compress-only baseline's CompressExperience has no db_blocks). Thinking blocks
+    (<think>...</think>) are ignored.
     """
     allowed = tuple(_ARGUMENTS) if tools is None else tools
     visible = _THINK_RE.sub("", text)
@@ -174,7 +176,7 @@ def parse_tool_call(text: str, tools: tuple[str, ...] | None = None) -> ParsedCa
         return _malformed(f"the arguments of {name} must be a JSON object")
     for arg, (required, types) in _ARGUMENTS[name].items():
         if arg not in arguments:
-            if required:
+            if required and arg not in optional:
                 return _malformed(f"{name} is missing the required argument '{arg}'")
             continue
         if not isinstance(arguments[arg], types):

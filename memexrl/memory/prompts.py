@@ -27,17 +27,47 @@ Call ReadExperience with a db_index to get an archived block back instead of exp
 The working-context threshold is {threshold} tokens."""
 
 
-def tool_schemas(tools: tuple[str, ...]) -> list[dict]:
-    return [s for s in TOOL_SCHEMAS if s["function"]["name"] in tools]
+_SUMMARY_ONLY = """Memory: your working context is limited; after each observation you see its size. \
+Before it passes the threshold, call CompressExperience with a short summary (progress, plan and every exact \
+name you will need): the context is then replaced by your summary and nothing else is kept. \
+The working-context threshold is {threshold} tokens."""
+
+_CHAIN = """Memory: you do not see your earlier observations, only a numbered list of your own step \
+summaries and the newest observation. Start every reply with one line `State: <what you know now and the \
+action you take>`, with exact object names; that line is what you will remember of this step."""
+
+_INSIGHTS = "Suggestions from similar solved tasks (check them against what you observe; they may not apply):"
 
 
-def system_prompt(tools: tuple[str, ...], threshold: int, schemas_in_text: bool) -> str:
-    """The system prompt for an agent allowed `tools` (memory instructions only if it has them)."""
+def tool_schemas(tools: tuple[str, ...], store: bool = True) -> list[dict]:
+    """The JSON schemas of `tools`; without a `store`, CompressExperience takes only its summary."""
+    out = []
+    for schema in TOOL_SCHEMAS:
+        if schema["function"]["name"] not in tools:
+            continue
+        if schema["function"]["name"] == COMPRESS and not store:
+            fn = schema["function"]
+            params = {**fn["parameters"], "properties": {"summary": fn["parameters"]["properties"]["summary"]},
+                      "required": ["summary"]}
+            schema = {**schema, "function": {**fn, "description": "Replace your working context with a summary.",
+                                             "parameters": params}}
+        out.append(schema)
+    return out
+
+
+def system_prompt(tools: tuple[str, ...], threshold: int, schemas_in_text: bool, *, store: bool = True,
+                  chain: bool = False, insights: tuple[str, ...] = ()) -> str:
+    """The system prompt of an agent (memexrl/agents.py): memory instructions only for what it has."""
     parts = [_BASE]
     if COMPRESS in tools or READ in tools:
-        parts.append(_MEMORY.format(threshold=threshold))
+        parts.append((_MEMORY if store else _SUMMARY_ONLY).format(threshold=threshold))
+    if chain:
+        parts.append(_CHAIN)
+    if insights:
+        parts.append("\n".join([_INSIGHTS, *(f"- {i}" for i in insights)]))
     if schemas_in_text:
-        parts.append("Tools (name, JSON arguments; ? = optional):\n" + "\n".join(map(_signature, tool_schemas(tools))))
+        parts.append("Tools (name, JSON arguments; ? = optional):\n"
+                     + "\n".join(map(_signature, tool_schemas(tools, store))))
     return "\n\n".join(parts)
 
 

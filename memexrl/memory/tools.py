@@ -107,7 +107,7 @@ def _describe(index: str, summary: str) -> str:
 def run_compress(
     arguments: dict,
     context: WorkingContext,
-    store: ExperienceStore,
+    store: ExperienceStore | None,
     step: int,
     summary_max_tokens: int,
     cap_mode: str = "tokens",
@@ -115,18 +115,23 @@ def run_compress(
     """CompressExperience{summary, db_blocks}: archive blocks, then context <- [system, task, summary].
 
     The assistant turn holding this call must already be in `context`; anchors search the
-    working context before it.
+    working context before it. Without a `store` (the compress-only `summary` baseline, the
+    release's lossy mode) db_blocks are not needed and nothing is archived.
     """
     summary = arguments.get("summary")
     if not isinstance(summary, str) or not summary.strip():
         return _compress_error("the summary is empty")
+    before = context.working_tokens
+    n = len(context.segments)
+    capped = truncate_summary(summary.strip(), context.renderer, summary_max_tokens, cap_mode)
+    if store is None:
+        body = f"{SUMMARY_HEADER}\n(compression {n} at step {step}: {before} working tokens compressed)\n{capped}"
+        text, _ = context.restart_from_summary(body, [], step)
+        return ToolOutcome(observation=text, compressed=True)
     blocks = _blocks_from_arguments(arguments.get("db_blocks"), context.working_text(exclude_last=True), summary)
     if isinstance(blocks, str):
         return _compress_error(blocks)
-    before = context.working_tokens
     store.write_many(blocks, step=step)
-    capped = truncate_summary(summary.strip(), context.renderer, summary_max_tokens, cap_mode)
-    n = len(context.segments)
     stats = (
         f"(compression {n} at step {step}: {before} working tokens compressed; archived "
         f"{', '.join(b.index for b in blocks)}; {len(store)} indices in the experience store)"
