@@ -12,6 +12,7 @@ convention), e.g. `data/alfworld` after `memexrl data alfworld`.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections import defaultdict
 from pathlib import Path, PurePosixPath
 
 from memexrl.errors import MemexError
@@ -259,3 +261,18 @@ def resolve_game(spec: str | Path, data_dir: str | Path = "") -> Path:
             f"{path.parent} has no traj_data.json beside {GAME_FILE}: not an ALFWorld game directory"
         )
     return path.resolve()
+
+
+def ordered_games(split: str, data_dir: str = "", order: str = "sorted") -> list[Path]:
+    """The games of a split in a deterministic order: `sorted` (list_games: grouped by task type, so the
+    first N of train are all look_at_obj_in_light) or `mixed` (task types taken in turn, each sorted: its
+    first N games are a subset stratified by task type, what `eval alfworld --games N` plays)."""
+    games = list_games(split, data_dir)
+    if order == "sorted":
+        return games
+    if order != "mixed":
+        raise MemexError(f"unknown game order {order!r}: use sorted or mixed")
+    by_type: dict[str, list[Path]] = defaultdict(list)
+    for game in games:
+        by_type[task_type_of(game)].append(game)
+    return [g for row in itertools.zip_longest(*by_type.values()) for g in row if g is not None]

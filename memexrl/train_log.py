@@ -65,6 +65,21 @@ def transcript(messages: list[dict], limit: int = 4000) -> str:
     return text if len(text) <= limit else text[: limit // 2] + "\n...\n" + text[-limit // 2 :]
 
 
+def import_wandb(run_dir: Path):
+    """wandb, set to log offline into `run_dir` unless the user is logged in (WANDB_API_KEY); None when
+    wandb is not installed."""
+    try:
+        import wandb
+    except ImportError:
+        log.warning("wandb is not installed: logging to metrics.jsonl only")
+        return None
+    os.environ.setdefault("WANDB_DIR", str(run_dir))
+    os.environ.setdefault("WANDB_PROJECT", "memexrl")
+    if not os.environ.get("WANDB_API_KEY"):
+        os.environ.setdefault("WANDB_MODE", "offline")
+    return wandb
+
+
 class RunLogger:
     """metrics.jsonl + wandb (offline unless logged in) + plots at the end; only the main process writes."""
 
@@ -81,13 +96,9 @@ class RunLogger:
             self.wandb = self._init_wandb(fresh)
 
     def _init_wandb(self, fresh: bool):
-        try:
-            import wandb
-        except ImportError:
-            log.warning("wandb is not installed: logging to metrics.jsonl only")
+        wandb = import_wandb(self.run_dir)
+        if wandb is None:
             return None
-        if not os.environ.get("WANDB_API_KEY"):
-            os.environ.setdefault("WANDB_MODE", "offline")
         id_file = self.run_dir / "wandb_id"
         run_id = id_file.read_text().strip() if id_file.is_file() and not fresh else uuid.uuid4().hex[:8]
         id_file.write_text(run_id)

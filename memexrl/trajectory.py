@@ -122,3 +122,12 @@ class Trajectory:
         if self.error:
             out["error"] = self.error
         return out
+
+
+def success_by_task_type(trajs: list[Trajectory]) -> dict[str, dict]:
+    """{task_type: {"games", "success", "success_rate"}} over `trajs`, sorted by task type."""
+    by_type: dict[str, list[bool]] = {}
+    for t in trajs:
+        by_type.setdefault(t.task_type, []).append(t.success)
+    return {k: {"games": len(v), "success": sum(v), "success_rate": round(sum(v) / len(v), 4)}
+            for k, v in sorted(by_type.items())}

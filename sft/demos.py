@@ -8,19 +8,18 @@ memory-tool use per episode, and the failures by end reason.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import statistics
 import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
-from envs.data import list_games, task_type_of
+from envs.data import list_games, ordered_games
 from memexrl.config import Config
 from memexrl.errors import MemexError
-from memexrl.trajectory import Trajectory
+from memexrl.trajectory import Trajectory, success_by_task_type
 from rollout.runner import make_renderer, open_envs, run_episodes
 from sft.expert import MemexExpertEngine
 
@@ -37,18 +36,12 @@ def _mean(values: list[float]) -> float:
 def demo_report(trajs: list[Trajectory]) -> dict:
     """Success overall and per task type, mean steps, compress/read per episode, failures by end reason."""
     kept = [t for t in trajs if t.success]
-    by_type: dict[str, list[Trajectory]] = defaultdict(list)
-    for t in trajs:
-        by_type[t.task_type].append(t)
     stats = [t.stats for t in kept]
     return {
         "n_games": len(trajs),
         "n_success": len(kept),
         "success_rate": round(len(kept) / len(trajs), 4) if trajs else 0.0,
-        "by_task_type": {
-            k: {"games": len(v), "success": sum(t.success for t in v), "success_rate": round(sum(t.success for t in v) / len(v), 4)}
-            for k, v in sorted(by_type.items())
-        },
+        "by_task_type": success_by_task_type(trajs),
         "mean_steps": _mean([s["num_steps"] for s in stats]),
         "mean_steps_all": _mean([t.stats["num_steps"] for t in trajs]),
         "compress_per_episode": _mean([s["num_compress"] for s in stats]),
@@ -78,20 +71,6 @@ def run_expert(
             )
             log.info("expert: %d/%d games, %d won", len(trajs), len(jobs), sum(t.success for t in trajs))
     return trajs, engine
-
-
-def ordered_games(split: str, data_dir: str = "", order: str = "sorted") -> list[Path]:
-    """The games of a split in a deterministic order: `sorted` (list_games: grouped by task type, so the
-    first N of train are all look_at_obj_in_light) or `mixed` (task types taken in turn, each sorted)."""
-    games = list_games(split, data_dir)
-    if order == "sorted":
-        return games
-    if order != "mixed":
-        raise MemexError(f"unknown game order {order!r}: use sorted or mixed")
-    by_type: dict[str, list[Path]] = defaultdict(list)
-    for game in games:
-        by_type[task_type_of(game)].append(game)
-    return [g for row in itertools.zip_longest(*by_type.values()) for g in row if g is not None]
 
 
 def make_demonstrations(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from memexrl.errors import MemexError
 from memexrl.finetune import lora_config
 from memexrl.models import load_policy, resolve_device
 from memexrl.seeding import seed_everything
+from memexrl.train_log import import_wandb
 from memexrl.train_state import STATE_FILE, publish, staging_dir
 from sft.dataset import build_dataset
 
@@ -59,18 +59,7 @@ def _callbacks(run_dir: Path, save_steps: int, tokenizer):
 
 
 def _wandb(enabled: bool, run_dir: Path) -> list[str]:
-    if not enabled:
-        return []
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        log.warning("wandb is not installed: logging to metrics.jsonl only")
-        return []
-    os.environ.setdefault("WANDB_DIR", str(run_dir))
-    os.environ.setdefault("WANDB_PROJECT", "memexrl")
-    if not os.environ.get("WANDB_API_KEY"):
-        os.environ.setdefault("WANDB_MODE", "offline")
-    return ["wandb"]
+    return ["wandb"] if enabled and import_wandb(run_dir) is not None else []
 
 
 def prepare_run_dir(cfg: Config, run_dir: Path) -> None:

@@ -8,10 +8,11 @@ import random  # noqa: E402
 
 import pytest  # noqa: E402
 
+from envs.data import ordered_games  # noqa: E402
 from memexrl.cli import replay  # noqa: E402
 from memexrl.config import load_config  # noqa: E402
 from memexrl.memory.parsing import COMPRESS  # noqa: E402
-from sft.demos import ordered_games, run_expert  # noqa: E402
+from sft.demos import run_expert  # noqa: E402
 from sft.detours import DETOUR_KINDS, choose_detour, detour_rng, detour_thought  # noqa: E402
 
 ROOM = ["cabinet 1", "cabinet 2", "countertop 1", "fridge 1", "sinkbasin 1"]

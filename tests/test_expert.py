@@ -13,13 +13,19 @@ import pytest  # noqa: E402
 
 import envs.alfworld as alfworld  # noqa: E402
 from envs.alfworld import ModifiedAlfWorld, expert_spelling  # noqa: E402
-from envs.data import TASK_TYPES, list_games, resolve_game, task_type_of  # noqa: E402
+from envs.data import (  # noqa: E402
+    TASK_TYPES,
+    list_games,
+    ordered_games,  # noqa: E402
+    resolve_game,
+    task_type_of,
+)
 from envs.pool import EnvPool  # noqa: E402
 from memexrl.cli import main, replay  # noqa: E402
 from memexrl.config import load_config  # noqa: E402
 from memexrl.memory.parsing import COMPRESS, EXECUTE_ACTION, READ  # noqa: E402
 from memexrl.memory.store import InMemoryStore  # noqa: E402
-from sft.demos import ordered_games, run_expert  # noqa: E402
+from sft.demos import run_expert  # noqa: E402
 from sft.expert import action_names, anchor_block, mentions, seen_items  # noqa: E402
 
 LOOK_TWICE_GAME = "valid_seen:33"  # the handcoded expert plans `look` again mid-episode here

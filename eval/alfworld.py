@@ -1,0 +1,164 @@
+"""`memexrl eval alfworld`: success and context use of a policy and an agent on ALFWorld games.
+
+The paper reports success and peak working context before and after RL; the release tests on
+valid_seen + valid_unseen with greedy decoding, one sample per game, 50 steps (config
+`eval` defaults; memex.md "Modified ALFWorld"). Any checkpoint loads (a full model, a LoRA
+adapter, an SFT or GRPO run directory: its newest checkpoint, or a model name), on the
+transformers engine or vLLM, with any agent of memexrl/agents.py; the env worker pool plays the
+episodes in parallel. Writes OUT/eval_alfworld.json (design.md field names plus the extra
+counts) and OUT/episodes.jsonl (trajectory JSON), and logs them to wandb when eval.wandb is on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+from envs.data import ordered_games
+from memexrl.agents import AgentSpec, make_agent
+from memexrl.config import Config
+from memexrl.errors import MemexError
+from memexrl.trajectory import Trajectory, success_by_task_type
+
+log = logging.getLogger(__name__)
+
+RESULT_FILE, EPISODES_FILE = "eval_alfworld.json", "episodes.jsonl"
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return round(statistics.fmean(values), 4) if values else 0.0
+
+
+def aggregate(trajs: list[Trajectory]) -> dict:
+    """Success overall and by task type, context and tool counts per episode, reward (design.md names)."""
+    stats = [t.stats for t in trajs]
+    return {
+        "n_games": len(trajs),
+        "success_rate": _mean(t.success for t in trajs),
+        "by_task_type": success_by_task_type(trajs),
+        "peak_working_tokens_mean": _mean(s["peak_working_tokens"] for s in stats),
+        "peak_working_tokens_max": max((s["peak_working_tokens"] for s in stats), default=0),
+        "num_compress_mean": _mean(s["num_compress"] for s in stats),
+        "num_read_mean": _mean(s["num_read"] for s in stats),
+        "num_redundant_mean": _mean(s["num_redundant"] for s in stats),
+        "num_format_errors_mean": _mean(s["num_format_errors"] for s in stats),
+        "num_steps_mean": _mean(s["num_steps"] for s in stats),
+        "reward_mean": _mean(t.reward.get("total", 0.0) for t in trajs),
+        "end_reasons": dict(sorted(Counter(t.end_reason for t in trajs).items())),
+    }
+
+
+def eval_games(cfg: Config) -> list[Path]:
+    """The games: the whole split, or its first eval.games in task-type-stratified order (envs/data.py)."""
+    games = ordered_games(cfg.eval.split, cfg.env.data_dir, "mixed")
+    return games[: cfg.eval.games] if cfg.eval.games else games
+
+
+def make_eval_agent(cfg: Config) -> AgentSpec:
+    """eval.agent as an AgentSpec; m2 gets its insight bank (eval/m2_insights.py) from eval.insights_from."""
+    e = cfg.eval
+    if e.agent != "m2":
+        return make_agent(e.agent, keep_turns=e.truncate_turns)
+    if not e.insights_from:
+        raise MemexError("the m2 agent needs eval.insights_from: trajectory JSONL files to distil insights from "
+                         "(e.g. runs/expert/demos.jsonl from `memexrl expert --split train`)")
+    from eval.m2_insights import InsightBank
+
+    bank = InsightBank.from_trajectories([p.strip() for p in e.insights_from.split(",") if p.strip()], e.embedder)
+    log.info("M² insight bank: %d insights", len(bank.insights))
+    return make_agent("m2", retrieve=lambda goal: bank.retrieve(goal, e.insights_top_k))
+
+
+def make_eval_engine(cfg: Config, checkpoint: str, out: Path):
+    """(engine, policy name): the transformers engine on the loaded policy, or vLLM (rollout.engine)."""
+    from memexrl.models import adapter_base, load_policy
+
+    model, tokenizer = load_policy(replace(cfg.model, name=checkpoint))
+    if cfg.rollout.engine != "vllm":
+        from rollout.hf_engine import TransformersEngine
+
+        engine = TransformersEngine(model, tokenizer, temperature=cfg.eval.temperature,
+                                    batch_size=cfg.rollout.batch_size, seed=cfg.seed)
+        return engine, tokenizer
+    from rollout.vllm import make_vllm_engine
+
+    model_dir = checkpoint
+    if adapter_base(checkpoint) is not None:  # vLLM loads whole weights: the merged adapter
+        model_dir = str(out / "merged")
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+    del model
+    engine = make_vllm_engine(cfg, model_dir, tokenizer, max_model_len=cfg.rollout.max_context_tokens,
+                              gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization)
+    engine.temperature = cfg.eval.temperature
+    return engine, tokenizer
+
+
+def evaluate(cfg: Config, progress: bool = True) -> dict:
+    """Play the eval games with the checkpoint and agent of cfg.eval; write and return the results."""
+    from memexrl.finetune import resolve_checkpoint
+    from rollout.runner import make_renderer, open_envs, run_episodes
+
+    e = cfg.eval
+    out = Path(e.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    games = eval_games(cfg)  # a bad split or missing data stops here, before any model loads
+    agent = make_eval_agent(cfg)
+    checkpoint = resolve_checkpoint(e.checkpoint or cfg.model.name, "eval.checkpoint")
+    engine, tokenizer = make_eval_engine(cfg, checkpoint, out)
+    jobs = [(f"eval-{i}", str(g)) for i, g in enumerate(games)]
+    start = time.perf_counter()
+    with open_envs(cfg) as envs:
+        trajs = run_episodes(jobs, engine, envs, make_renderer(tokenizer, cfg, agent), cfg, agent=agent,
+                             progress=progress)
+    result = {"split": e.split, "agent": e.agent, "checkpoint": checkpoint, "temperature": e.temperature,
+              "max_steps": cfg.env.max_steps, **aggregate(trajs), "seconds": round(time.perf_counter() - start, 1)}
+    write_results(out, result, trajs)
+    cfg.save(out / "config.yaml")
+    if e.wandb:
+        log_to_wandb(out, result, trajs)
+    return result
+
+
+def write_results(out: Path, result: dict, trajs: list[Trajectory]) -> None:
+    """OUT/episodes.jsonl, then OUT/eval_alfworld.json (written last: its presence means a complete run)."""
+    tmp = out / f".{EPISODES_FILE}.tmp"
+    with open(tmp, "w") as f:
+        for t in trajs:
+            f.write(json.dumps(t.to_json()) + "\n")
+    tmp.replace(out / EPISODES_FILE)
+    tmp = out / f".{RESULT_FILE}.tmp"
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(out / RESULT_FILE)
+
+
+def log_to_wandb(out: Path, result: dict, trajs: list[Trajectory]) -> None:
+    from memexrl.train_log import import_wandb
+
+    wandb = import_wandb(out)
+    if wandb is None:
+        return
+    run = wandb.init(project="memexrl", dir=str(out), name=f"eval-{result['agent']}-{result['split']}",
+                     job_type="eval", config={k: v for k, v in result.items() if not isinstance(v, dict)})
+    run.summary.update({f"eval/{k}": v for k, v in result.items() if isinstance(v, int | float)})
+    table = wandb.Table(columns=["game", "task_type", "success", "steps", "peak_working_tokens", "compress", "read"])
+    for t in trajs:
+        s = t.stats
+        table.add_data(t.game, t.task_type, t.success, s["num_steps"], s["peak_working_tokens"], s["num_compress"],
+                       s["num_read"])
+    run.log({"eval/episodes": table})
+    run.finish()
+
+
+def summary_line(result: dict) -> str:
+    """The printed one-line summary."""
+    return (f"{result['agent']} on {result['n_games']} {result['split']} games: success "
+            f"{100 * result['success_rate']:.1f}%, peak working tokens {result['peak_working_tokens_mean']:.0f}, "
+            f"compress {result['num_compress_mean']:.2f} / read {result['num_read_mean']:.2f} per episode, "
+            f"reward {result['reward_mean']:.3f}")

@@ -1,0 +1,115 @@
+"""`memexrl eval alfworld` (eval/alfworld.py) and the M² insight bank (eval/m2_insights.py)."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+from envs.data import TASK_TYPES, task_type_of  # noqa: E402
+from eval.alfworld import RESULT_FILE, aggregate, eval_games  # noqa: E402
+from eval.m2_insights import InsightBank, distill, strip_ids  # noqa: E402
+from memexrl.cli import main  # noqa: E402
+from memexrl.config import load_config  # noqa: E402
+from memexrl.trajectory import Step, Trajectory  # noqa: E402
+
+
+def test_stratified_subset_is_deterministic(alfworld_data):
+    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "eval.split=valid_unseen", "eval.games=12"])
+    games = eval_games(cfg)
+    assert games == eval_games(cfg) and len(games) == 12 and len(set(games)) == 12
+    assert {task_type_of(g) for g in games[: len(TASK_TYPES)]} == set(TASK_TYPES)  # every type, in turn
+    assert len(eval_games(load_config(None, [f"env.data_dir={alfworld_data}", "eval.split=valid"]))) == 140 + 134
+
+
+def traj(task_type, success, peak, compress=0, read=0, total=0.0):
+    t = Trajectory(game=f"g-{task_type}-{peak}", task_type=task_type, goal="", success=success,
+                   reward={"total": total}, end_reason="env_done" if success else "step_limit")
+    t.steps = [Step("a", "execute_action", {"action": "look"}, False, None, "o", peak)]
+    t.steps += [Step("c", "CompressExperience", {}, False, None, "s", 10, compressed=True)] * compress
+    t.steps += [Step("r", "ReadExperience", {"db_index": "x"}, False, None, "b", 20)] * read
+    return t
+
+
+def test_aggregate_by_hand():
+    result = aggregate([traj("pick_and_place_simple", True, 1000, compress=2, read=1, total=1.0),
+                        traj("pick_and_place_simple", False, 3000, total=-0.5),
+                        traj("look_at_obj_in_light", True, 500, compress=1, total=0.9)])
+    assert result["n_games"] == 3 and result["success_rate"] == pytest.approx(2 / 3, abs=1e-4)
+    assert result["by_task_type"] == {"look_at_obj_in_light": {"games": 1, "success": 1, "success_rate": 1.0},
+                                      "pick_and_place_simple": {"games": 2, "success": 1, "success_rate": 0.5}}
+    assert result["peak_working_tokens_mean"] == 1500 and result["peak_working_tokens_max"] == 3000
+    assert result["num_compress_mean"] == 1.0 and result["num_read_mean"] == pytest.approx(1 / 3, abs=1e-4)
+    assert result["reward_mean"] == pytest.approx(0.4667, abs=1e-4)
+    assert result["end_reasons"] == {"env_done": 2, "step_limit": 1}
+
+
+def solved(goal, actions):
+    steps = [{"tool": "execute_action", "arguments": {"action": a}, "observation": "ok"} for a in actions]
+    return {"goal": goal, "success": True, "steps": steps}
+
+
+HEAT = solved("Your task is to: heat some apple and put it in countertop.",
+              ["look", "go to fridge 1", "open fridge 1", "go to countertop 2", "take apple 3 from countertop 2",
+               "go to microwave 1", "heat apple 3 with microwave 1", "go to countertop 1",
+               "move apple 3 to countertop 1"])
+LAMP = solved("Your task is to: examine the alarmclock with the desklamp.",
+              ["look", "go to desk 1", "take alarmclock 2 from desk 1", "go to sidetable 1", "use desklamp 1"])
+COOL = solved("Your task is to: cool some tomato and put it in garbagecan.",
+              ["go to countertop 1", "take tomato 1 from countertop 1", "go to fridge 1",
+               "cool tomato 1 with fridge 1", "go to garbagecan 1", "move tomato 1 to garbagecan 1"])
+
+
+def test_distill_strips_the_game_literals():
+    key, insight = distill(HEAT)
+    assert key == "Your task is to: heat some apple and put it in countertop"
+    assert "a apple was found at countertop (after checking fridge)" in insight
+    assert "heat it with microwave" in insight and "put it in/on countertop" in insight
+    assert not any(ch.isdigit() for ch in insight)
+    assert strip_ids("take apple 12 from countertop 3") == "take apple from countertop"
+    assert distill({**HEAT, "success": False}) is None
+
+
+@pytest.mark.slow
+def test_insight_retrieval_on_real_embeddings(tmp_path):
+    path = tmp_path / "demos.jsonl"
+    path.write_text("".join(json.dumps(t) + "\n" for t in (HEAT, LAMP, COOL, {**LAMP, "success": False})))
+    bank = InsightBank.from_trajectories([path])
+    assert len(bank.insights) == 3
+    assert bank.retrieve("Your task is to: look at the book under the desklamp.", k=1)[0].startswith(
+        "Your task is to: examine the alarmclock")
+    top = bank.retrieve("Your task is to: put a hot potato in the countertop.", k=2)
+    assert top[0].startswith("Your task is to: heat some apple")
+    bank.save(tmp_path / "bank.json")
+    again = InsightBank.load(tmp_path / "bank.json")
+    assert again.retrieve("Your task is to: put a hot potato in the countertop.", k=2) == top
+
+
+@pytest.mark.slow
+def test_cli_writes_results_and_episodes(alfworld_data, tiny_eos_model, tmp_path, capsys):
+    out = tmp_path / "eval"
+    code = main(["eval", "alfworld", "--checkpoint", tiny_eos_model, "--split", "valid_unseen", "--games", "3",
+                 "--agent", "truncate", "--out", str(out), f"env.data_dir={alfworld_data}", "env.max_steps=3",
+                 "env.num_workers=1", "rollout.max_new_tokens=12"])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads((out / RESULT_FILE).read_text())
+    assert result["split"] == "valid_unseen" and result["n_games"] == 3 and result["agent"] == "truncate"
+    for key in ("success_rate", "by_task_type", "peak_working_tokens_mean", "num_compress_mean", "num_read_mean",
+                "reward_mean"):
+        assert key in result
+    episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+    assert len(episodes) == 3 and all(len(e["steps"]) == 3 for e in episodes)
+    assert "truncate on 3 valid_unseen games" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--agent", "oracle"], "eval.agent must be one of"),
+    (["--agent", "m2"], "needs eval.insights_from"),
+    (["--split", "test"], "split"),
+])
+def test_cli_bad_input_exits_2(alfworld_data, tmp_path, capsys, args, fragment):
+    code = main(["eval", "alfworld", "--out", str(tmp_path / "o"), *args, f"env.data_dir={alfworld_data}"])
+    assert code == 2 and fragment in capsys.readouterr().err
+    assert not (tmp_path / "o" / RESULT_FILE).exists()
