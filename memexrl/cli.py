@@ -135,6 +135,13 @@ def cmd_eval_alfworld(args: argparse.Namespace) -> None:
     print(summary_line(result))
 
 
+def cmd_eval_compare(args: argparse.Namespace) -> None:
+    from eval.compare import compare
+
+    print(compare(args.out, args.dirs), end="")
+    print(f"written: {Path(args.out) / 'compare.md'}, {Path(args.out) / 'compare.png'}")
+
+
 # --- bench --------------------------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> None:
     from eval import bench
@@ -218,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     tra.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
     tra.set_defaults(func=cmd_train)
 
-    eva = sub.add_parser("eval", help="evaluate a policy (ALFWorld)")
+    eva = sub.add_parser("eval", help="evaluate a policy (ALFWorld) and compare runs")
     eva_sub = eva.add_subparsers(dest="benchmark", required=True)
     alf_eval = eva_sub.add_parser("alfworld", help="success and context use on ALFWorld games (eval_alfworld.json)")
     alf_eval.add_argument("--config", default=None, help="YAML config (its eval section; default: built-in defaults)")
@@ -229,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     alf_eval.add_argument("--out", default=None, help="output directory (eval.output_dir)")
     alf_eval.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
     alf_eval.set_defaults(func=cmd_eval_alfworld)
+    cmp_eval = eva_sub.add_parser("compare", help="a markdown table and a PNG chart across eval result directories")
+    cmp_eval.add_argument("out", help="directory for compare.md and compare.png")
+    cmp_eval.add_argument("dirs", nargs="+", help="`eval alfworld` output directories")
+    cmp_eval.set_defaults(func=cmd_eval_compare)
 
     ben = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     ben.add_argument("what", choices=["env", "store", "rollout", "trainer"], help="what to measure")

@@ -113,3 +113,26 @@ def test_cli_bad_input_exits_2(alfworld_data, tmp_path, capsys, args, fragment):
     code = main(["eval", "alfworld", "--out", str(tmp_path / "o"), *args, f"env.data_dir={alfworld_data}"])
     assert code == 2 and fragment in capsys.readouterr().err
     assert not (tmp_path / "o" / RESULT_FILE).exists()
+
+
+def write_result(directory, agent, success, peak):
+    directory.mkdir(parents=True)
+    result = {"split": "valid_unseen", "agent": agent, "checkpoint": "/x/runs/sft/checkpoints/step-42",
+              **aggregate([traj("pick_and_place_simple", s, p) for s, p in zip(success, peak)])}
+    (directory / RESULT_FILE).write_text(json.dumps(result))
+
+
+def test_compare_writes_a_table_and_a_chart(tmp_path, capsys):
+    write_result(tmp_path / "memex", "memex", [True, False], [800, 1200])
+    write_result(tmp_path / "full", "full", [False, False], [4000, 6000])
+    assert main(["eval", "compare", str(tmp_path / "cmp"), str(tmp_path / "memex"), str(tmp_path / "full")]) == 0
+    table = (tmp_path / "cmp" / "compare.md").read_text()
+    lines = table.splitlines()
+    assert lines[0].startswith("| run | agent |") and len(lines) == 4
+    assert lines[2].startswith("| memex | memex | step-42 | valid_unseen | 2 | 50.0 | 1000 | 1200 |")
+    assert lines[3].startswith("| full | full | step-42 | valid_unseen | 2 | 0.0 | 5000 | 6000 |")
+    png = (tmp_path / "cmp" / "compare.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert table in capsys.readouterr().out
+    assert main(["eval", "compare", str(tmp_path / "cmp"), str(tmp_path / "missing")]) == 2
+    assert "run `memexrl eval alfworld" in capsys.readouterr().err
