@@ -153,7 +153,7 @@ class SFTSection:
     bf16: bool = _help("bfloat16 mixed precision (GPUs; the CPU trains in float32).", False)
     deepspeed: str = _help("DeepSpeed JSON config path for multi-GPU runs (configs/deepspeed/).", "")
     wandb: bool = _help("Log to wandb (offline in RUN/wandb unless you are logged in).", True)
-    check_games: int = _help("Held-out valid_unseen games for the post-SFT check (0 skips it).", 4)
+    check_games: int = _help("Held-out games for the post-SFT check, task types in turn (0 skips it).", 4)
     check_split: str = _help("Split of the post-SFT check games.", "valid_unseen")
     check_temperature: float = _help(
         "Sampling temperature of the post-SFT check (0: greedy, deterministic; 1: as GRPO rollouts sample).", 0.0

@@ -13,7 +13,7 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from envs.data import list_games
+from envs.data import ordered_games
 from memexrl.config import Config
 from memexrl.models import load_policy
 from memexrl.trajectory import Trajectory
@@ -42,7 +42,7 @@ def summarize(trajs: list[Trajectory]) -> dict:
 
 def post_sft_check(cfg: Config, checkpoint: str | Path, out_dir: str | Path) -> dict:
     """Play cfg.sft.check_games games of cfg.sft.check_split with the checkpoint; write the report."""
-    games = list_games(cfg.sft.check_split, cfg.env.data_dir)[: cfg.sft.check_games]
+    games = ordered_games(cfg.sft.check_split, cfg.env.data_dir, "mixed")[: cfg.sft.check_games]  # task types in turn
     model, tokenizer = load_policy(replace(cfg.model, name=str(checkpoint)))
     engine = TransformersEngine(model, tokenizer, temperature=cfg.sft.check_temperature, batch_size=cfg.rollout.batch_size,
                                 seed=cfg.seed)
