@@ -136,3 +136,11 @@ def test_compare_writes_a_table_and_a_chart(tmp_path, capsys):
     assert table in capsys.readouterr().out
     assert main(["eval", "compare", str(tmp_path / "cmp"), str(tmp_path / "missing")]) == 2
     assert "run `memexrl eval alfworld" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", ["configs/tiny-cpu.yaml", "configs/paper-8gpu.yaml", "configs/h200-lora.yaml"])
+def test_configs_evaluate_with_the_release_protocol(config):
+    """The release tests on valid_seen + valid_unseen, greedy, one sample per game, 50 steps (memex.md)."""
+    cfg = load_config(config)
+    assert (cfg.eval.split, cfg.eval.games, cfg.eval.temperature, cfg.env.max_steps) == ("valid", 0, 0.0, 50)
+    assert cfg.eval.agent == "memex"
