@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 import time
 from collections import Counter
@@ -76,7 +77,7 @@ def make_eval_agent(cfg: Config) -> AgentSpec:
 
 
 def make_eval_engine(cfg: Config, checkpoint: str, out: Path):
-    """(engine, policy name): the transformers engine on the loaded policy, or vLLM (rollout.engine)."""
+    """(engine, tokenizer): the transformers engine on the loaded policy, or vLLM (rollout.engine)."""
     from memexrl.models import adapter_base, load_policy
 
     model, tokenizer = load_policy(replace(cfg.model, name=checkpoint))
@@ -144,7 +145,7 @@ def log_to_wandb(out: Path, result: dict, trajs: list[Trajectory]) -> None:
     wandb = import_wandb(out)
     if wandb is None:
         return
-    run = wandb.init(project="memexrl", dir=str(out), name=f"eval-{result['agent']}-{result['split']}",
+    run = wandb.init(project=os.environ["WANDB_PROJECT"], dir=str(out), name=f"eval-{result['agent']}-{result['split']}",
                      job_type="eval", config={k: v for k, v in result.items() if not isinstance(v, dict)})
     run.summary.update({f"eval/{k}": v for k, v in result.items() if isinstance(v, int | float)})
     table = wandb.Table(columns=["game", "task_type", "success", "steps", "peak_working_tokens", "compress", "read"])

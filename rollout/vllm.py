@@ -58,6 +58,7 @@ Weight sync after each update (`sync_weights(model)`):
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -347,6 +348,11 @@ class VLLMEngine(Engine):
         else:
             self._sync_full(model)
 
+    @functools.cached_property
+    def int4(self) -> Int4Layout | None:
+        """The INT4 layout of the checkpoint vLLM serves (read once, at the first full sync; None: not INT4)."""
+        return int4_layout(self.model_dir) if self.model_dir else None
+
     def _sync_adapter(self, model) -> None:
         name, path = f"{self.adapter_tag}-v{self.version}", self.adapter_root / f"v{self.version}"
         with gathered([p for n, p in model.named_parameters() if "lora_" in n]):  # ZeRO-3 shards the adapter too
@@ -370,7 +376,7 @@ class VLLMEngine(Engine):
     def _sync_full(self, model) -> None:
         from safetensors.torch import save, save_file
 
-        state = checkpoint_state_dict(model, int4_layout(self.model_dir) if self.model_dir else None)
+        state = checkpoint_state_dict(model, self.int4)
         if self.llm is None:  # server: buckets as files the server reads, loaded through /collective_rpc
             folder = self.adapter_root / f"weights-v{self.version}"
             folder.mkdir(parents=True, exist_ok=True)
