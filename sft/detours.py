@@ -9,6 +9,17 @@ probability `expert.detour_rate` at an env action, the expert first makes one of
 - `revisit`: go back to a receptacle it already checked (its contents are in the context);
 - `repeat`: do the last env action again (a loop; it usually answers "Nothing happens.").
 
+And, with probability `expert.rejected_compress_rate` at a compression, the expert first sends a
+CompressExperience the tool rejects (`break_compress`), in the ways a small policy gets it wrong:
+
+- `wrong_anchor`: an end anchor that is not in the context (the last word without its number, ...);
+- `missing_anchor`: a block with start and mid anchors but no end anchor;
+- `twice`: the same db_index for two blocks.
+
+The validation error stays in the context; the next turn (trained) names the mistake and sends
+the correct call. Without these, a policy that sent one wrong call repeated it until its window
+was full: it had never seen a rejected compression answered.
+
 The detour turn is played (its observation stays in the context and W grows) but carries loss
 mask 0 (`Completion.trained`), so SFT learns what comes after it — compressing past 0.8 T,
 reading back names that left the context, returning to the plan — and never the detour itself:
@@ -20,9 +31,14 @@ describe its demonstrations; `expert.detour_rate: 0` gives the clean expert.
 
 from __future__ import annotations
 
+import copy
 import random
+import re
+
+from memexrl.memory.anchors import extract_span
 
 DETOUR_KINDS = ("wander", "revisit", "repeat")
+BROKEN_COMPRESS_KINDS = ("wrong_anchor", "missing_anchor", "twice")
 # Verbs safe to repeat: on a second try they change nothing (or only re-open/close), so the planner's
 # bookkeeping stays right. `go to` again would make the planner think an opened receptacle is unchecked.
 _REPEATABLE = ("examine", "open", "close", "take", "move")
@@ -61,3 +77,46 @@ def detour_thought(kind: str, action: str) -> str:
     if kind == "revisit":
         return f"Let me check {place} again."
     return f"Let me try that again: {action}."
+
+
+def _wrong_ends(end: str, span: str) -> list[str]:
+    """End anchors a small model writes instead of `end`: without the number ('shelf.'), or another
+    name of the span as if it came last ('shelf 6.' where the text says 'shelf 6, ...')."""
+    stripped = " ".join(w for w in end.split(" ") if not w.rstrip(".,").isdigit()).strip().rstrip(".")
+    return [f"{stripped}.", *(f"{name}." for name in re.findall(r"[a-z]+ \d+(?=,)", span)[::-1])]
+
+
+def break_compress(rng: random.Random, arguments: dict, context_text: str) -> tuple[str, dict] | None:
+    """(kind, arguments) of a CompressExperience that the tool rejects, made from the correct
+    `arguments` (not changed); None when no kind applies (no block to break)."""
+    blocks = arguments.get("db_blocks") or []
+    anchored = [i for i, b in enumerate(blocks) if "end_anchor" in b]
+    kinds = [k for k in BROKEN_COMPRESS_KINDS if k == "twice" and blocks or k != "twice" and anchored]
+    if not kinds:
+        return None
+    kind, broken = rng.choice(kinds), copy.deepcopy(arguments)
+    if kind == "twice":
+        broken["db_blocks"].append(copy.deepcopy(rng.choice(blocks)))
+        return kind, broken
+    block = broken["db_blocks"][rng.choice(anchored)]
+    if kind == "missing_anchor":
+        del block["end_anchor"]
+        return kind, broken
+    span = extract_span(context_text, block["start_anchor"], block["mid_anchor"], block["end_anchor"]) or ""
+    for end in _wrong_ends(block["end_anchor"], span):
+        if end != block["end_anchor"] and extract_span(context_text, block["start_anchor"], block["mid_anchor"], end) is None:
+            block["end_anchor"] = end
+            return kind, broken
+    del block["end_anchor"]  # every wrong end happened to be found: leave it out instead
+    return "missing_anchor", broken
+
+
+def recovery_thought(error: str) -> str:
+    """The (trained) thought after a rejected CompressExperience: what was wrong, then the fix."""
+    if "appears twice" in error:
+        return "My compression was rejected: I used one index twice. Each block gets its own index; I retry."
+    if "missing" in error:
+        return "My compression was rejected: a block lacked an anchor. I give all three anchors and retry."
+    if "anchors not found" in error:
+        return "My compression was rejected: an anchor was not in my context. I copy the anchors exactly and retry."
+    return "My compression was rejected. I fix the call and retry."

@@ -39,7 +39,7 @@ from memexrl.memory.anchors import extract_span
 from memexrl.memory.parsing import COMPRESS, EXECUTE_ACTION, READ
 from rollout.engines import GenerationRequest, ScriptedEngine
 from sft.dataset import game_id
-from sft.detours import choose_detour, detour_rng, detour_thought
+from sft.detours import break_compress, choose_detour, detour_rng, detour_thought, recovery_thought
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,8 @@ class WorldNotes:
 class MemexExpertEngine(ScriptedEngine):
     """The Memex expert as an engine: each request's episode (`req.state`) decides the next turn."""
 
-    def __init__(self, tokenizer, detour_rate: float = 0.0, max_detours: int = 4, seed: int = 0):
+    def __init__(self, tokenizer, detour_rate: float = 0.0, max_detours: int = 4, seed: int = 0,
+                 rejected_compress_rate: float = 0.0):
         super().__init__(tokenizer, {})
         # Why episodes were stopped: "no_plan" (the handcoded expert gave up) or "unseen_name" (its next
         # action names something neither in the context nor in the store: a random move the policy
@@ -208,6 +209,7 @@ class MemexExpertEngine(ScriptedEngine):
         self.stops: Counter[str] = Counter()
         # Off-plan detours (sft/detours.py): played, never trained.
         self.detour_rate, self.max_detours, self.seed = detour_rate, max_detours, seed
+        self.rejected_compress_rate = rejected_compress_rate  # rejected compressions first (sft/detours.py)
         self.detours: Counter[str] = Counter()  # by kind, over all episodes
         self._detours_in: Counter[str] = Counter()  # by episode id
         self._untrained: set[str] = set()  # episodes whose current turn is a detour
@@ -247,7 +249,7 @@ class MemexExpertEngine(ScriptedEngine):
         action = plan[0]
         targets = Targets.of_game(ep.traj.game)
         if self._should_compress(ep, notes):
-            text = self._compress(ep, notes, targets, action, budget)
+            text = self._compress_turn(ep, notes, targets, action, budget)
             if text is not None:
                 return text
         context = "\n\n".join(m["content"] for m in ep.context.messages[1:])
@@ -282,7 +284,10 @@ class MemexExpertEngine(ScriptedEngine):
         return choose_detour(rng, seen_items(notes.room) or [], notes.checked, notes.location, last, planned)
 
     def _should_compress(self, ep, notes: WorldNotes) -> bool:
-        if notes.env_since_compress < 1 or ep.traj.steps[-1].tool == READ:
+        last = ep.traj.steps[-1]
+        if last.tool == COMPRESS and last.error:
+            return True  # a rejected compression is answered with the correct one (sft/detours.py)
+        if notes.env_since_compress < 1 or last.tool == READ:
             return False  # never twice without acting in between, nor between a read and the action it serves
         threshold = ep.cfg.memory.threshold * ep.cfg.memory.warn_ratio
         if ep.context.working_tokens > threshold:
@@ -304,8 +309,30 @@ class MemexExpertEngine(ScriptedEngine):
                 best = rank
         return best[3] if best else None
 
-    def _compress(self, ep, notes: WorldNotes, targets: Targets, action: str, budget: int) -> str | None:
-        """A CompressExperience turn, at the most detail that fits the token budget (None if none fits).
+    def _compress_turn(self, ep, notes: WorldNotes, targets: Targets, action: str, budget: int) -> str | None:
+        """The correct CompressExperience (after a rejected one: saying what was wrong), or, drawn at
+        `rejected_compress_rate`, first a broken one the tool rejects (untrained); None if none fits."""
+        call = self._compress(ep, notes, targets, action, budget)
+        if call is None:
+            return None
+        thoughts, arguments = call
+        last = ep.traj.steps[-1]
+        if last.tool == COMPRESS and last.error:
+            return self._fit([recovery_thought(last.error), ""], COMPRESS, arguments, budget) or self._fit(
+                *call, budget)
+        rng = detour_rng(self.seed, game_id(ep.traj.game), len(ep.traj.steps))
+        if self.rejected_compress_rate > 0 and rng.random() < self.rejected_compress_rate:
+            broken = break_compress(rng, arguments, ep.context.working_text())
+            text = broken and self._fit(thoughts, COMPRESS, broken[1], budget)
+            if text:
+                self.detours[broken[0]] += 1
+                self._untrained.add(ep.id)
+                return text
+        return self._fit(thoughts, COMPRESS, arguments, budget)
+
+    def _compress(self, ep, notes: WorldNotes, targets: Targets, action: str, budget: int):
+        """(thoughts, arguments) of a CompressExperience, at the most detail that fits the token budget
+        (None if none fits).
 
         When a name of the planned `action` would be in neither the summary nor a block afterwards
         (a small budget dropped its block), the summary says the next action exactly.
@@ -330,9 +357,9 @@ class MemexExpertEngine(ScriptedEngine):
             if any(not mentions(after, n) for n in action_names(action)):
                 summary = summary.replace("\nIndex map:", f" Next action: {action}.\nIndex map:", 1)
             thoughts = [why, "Time to compress."] if detail == 2 else ["Time to compress."]
-            text = self._fit(thoughts, COMPRESS, {"summary": summary, "db_blocks": blocks}, budget)
-            if text is not None:
-                return text
+            arguments = {"summary": summary, "db_blocks": blocks}
+            if self._fit(thoughts, COMPRESS, arguments, budget) is not None:
+                return thoughts, arguments
         return None
 
     def _fit(self, thoughts: list[str], name: str, arguments: dict, budget: int) -> str | None:

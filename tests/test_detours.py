@@ -11,9 +11,20 @@ import pytest  # noqa: E402
 from envs.data import ordered_games  # noqa: E402
 from memexrl.cli import replay  # noqa: E402
 from memexrl.config import load_config  # noqa: E402
+from memexrl.memory.context import WorkingContext  # noqa: E402
 from memexrl.memory.parsing import COMPRESS  # noqa: E402
+from memexrl.memory.store import open_store  # noqa: E402
+from memexrl.memory.tools import run_compress  # noqa: E402
 from sft.demos import run_expert  # noqa: E402
-from sft.detours import DETOUR_KINDS, choose_detour, detour_rng, detour_thought  # noqa: E402
+from sft.detours import (  # noqa: E402
+    BROKEN_COMPRESS_KINDS,
+    DETOUR_KINDS,
+    break_compress,
+    choose_detour,
+    detour_rng,
+    detour_thought,
+    recovery_thought,
+)
 
 ROOM = ["cabinet 1", "cabinet 2", "countertop 1", "fridge 1", "sinkbasin 1"]
 
@@ -50,17 +61,54 @@ def test_detours_are_deterministic_per_game_and_step():
     assert "cabinet 2" in detour_thought("wander", "go to cabinet 2")
 
 
+LOOK = ("You are in the middle of a room. Looking quickly around you, you see a shelf 3, a shelf 2, "
+        "a drawer 1, and a shelf 1.")
+GOOD = {"summary": "Next: find a mug.\nIndex map:\n- room: room overview\n- facts: exact IDs",
+        "db_blocks": [{"db_index": "room", "start_anchor": "You are in", "mid_anchor": "Looking",
+                       "end_anchor": "shelf 1."}, {"db_index": "facts", "db_content": "holding: nothing"}]}
+
+
+def compress_with(arguments, smol_tokenizer):
+    """Run CompressExperience for real on a context holding the look output: (outcome, store)."""
+    from rollout.runner import make_renderer
+
+    ctx = WorkingContext(make_renderer(smol_tokenizer, load_config(None, [])), "system", "find a mug.", threshold=1000)
+    ctx.add_observation(LOOK, [])
+    ctx.add_assistant("Time to compress.", [1], [0.0], step=1)
+    store = open_store("memory")
+    return run_compress(arguments, ctx, store, step=1, summary_max_tokens=300), store
+
+
+def test_a_broken_compression_is_rejected_by_the_real_tool_and_the_correct_one_is_not(smol_tokenizer):
+    seen = set()
+    for seed in range(40):
+        kind, broken = break_compress(random.Random(seed), GOOD, LOOK)
+        seen.add(kind)
+        outcome, store = compress_with(broken, smol_tokenizer)
+        assert outcome.error and not outcome.compressed and len(store) == 0, (kind, broken)
+        assert recovery_thought(outcome.error) != recovery_thought("something else")  # names the mistake
+    assert seen == set(BROKEN_COMPRESS_KINDS)
+    assert GOOD["db_blocks"][0]["end_anchor"] == "shelf 1." and len(GOOD["db_blocks"]) == 2  # not changed
+    outcome, store = compress_with(GOOD, smol_tokenizer)
+    assert outcome.compressed and store.read("room").content == LOOK
+    # Nothing to break: no blocks at all.
+    assert break_compress(random.Random(0), {"summary": "s", "db_blocks": []}, LOOK) is None
+
+
 # ----------------------------------------------------------------------------- real games
 @pytest.fixture(scope="module")
 def detoured(alfworld_data, smol_tokenizer):
     """The expert with many detours on 6 valid_seen games of mixed task types: (cfg, trajectories, engine)."""
-    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "memory.threshold=1000", "expert.detour_rate=0.4"])
+    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "memory.threshold=1000", "expert.detour_rate=0.4",
+                             "expert.rejected_compress_rate=0.5"])
     games = ordered_games("valid_seen", alfworld_data, "mixed")[:6]
     trajs, engine = run_expert(cfg, games, smol_tokenizer, workers=2)
     return cfg, trajs, engine
 
 
 def is_detour(step) -> bool:
+    if step.tool == COMPRESS and step.error:  # a rejected compression: untrained too
+        return True
     action = (step.arguments or {}).get("action", "")
     return any(step.assistant.startswith(detour_thought(kind, action)) for kind in DETOUR_KINDS)
 
@@ -112,4 +160,16 @@ def test_detours_lead_to_compressions_under_the_warning(detoured):
         for i in range(1, len(t.steps))
         if t.steps[i].tool == COMPRESS and t.steps[i - 1].working_tokens > warn
     ]
-    assert under_warning and all(s.compressed for s in under_warning)
+    trained = [s for s in under_warning if not is_detour(s)]  # rejected ones are answered (test below)
+    assert trained and all(s.compressed for s in trained)
+
+
+@pytest.mark.slow
+def test_each_rejected_compression_is_answered_by_a_trained_correct_one(detoured):
+    _, trajs, engine = detoured
+    rejected = [(t, i) for t in trajs for i, s in enumerate(t.steps) if s.tool == COMPRESS and s.error]
+    assert len(rejected) == sum(engine.detours[k] for k in BROKEN_COMPRESS_KINDS) > 0
+    for t, i in rejected:
+        answer = t.steps[i + 1]
+        assert answer.tool == COMPRESS and answer.compressed and answer.error is None
+        assert answer.assistant.startswith(recovery_thought(t.steps[i].error)) or "rejected" not in answer.assistant
