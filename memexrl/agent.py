@@ -90,7 +90,8 @@ class Episode:
         self.traj.goal = info.get("goal", "")
         a = self.agent
         system = system_prompt(a.tools, self.cfg.memory.threshold, not self.renderer.template_has_tools,
-                               store=a.store, chain=a.chain, insights=a.insights_for(self.traj.goal))
+                               store=a.store, chain=a.chain, insights=a.insights_for(self.traj.goal),
+                               base=a.task_prompt)
         self.context = WorkingContext(
             self.renderer, system, task_message(answer.obs), self.cfg.memory.threshold, self.cfg.memory.warn_ratio,
             show_status=a.status,

@@ -40,6 +40,7 @@ class AgentSpec:
     insights: tuple[str, ...] = field(default=())  # suggestions for the system prompt (M²)
     # M²: the insights for a task, from its goal (eval/m2_insights.py InsightBank.retrieve); after `insights`.
     retrieve: Callable[[str], tuple[str, ...]] | None = field(default=None, compare=False, repr=False)
+    task_prompt: str = ""  # the system prompt's task paragraph ("" = the ALFWorld one, memexrl/memory/prompts.py)
 
     def insights_for(self, goal: str) -> tuple[str, ...]:
         return self.insights + (self.retrieve(goal) if self.retrieve is not None else ())

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from envs.data import DEFAULT_DEST
+from eval.lme.cli import add_lme_commands
 from memexrl.errors import MemexError
 
 log = logging.getLogger("memexrl")
@@ -225,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     tra.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
     tra.set_defaults(func=cmd_train)
 
-    eva = sub.add_parser("eval", help="evaluate a policy (ALFWorld) and compare runs")
+    eva = sub.add_parser("eval", help="evaluate a policy (ALFWorld), a memory module (LME-V2), compare runs")
     eva_sub = eva.add_subparsers(dest="benchmark", required=True)
     alf_eval = eva_sub.add_parser("alfworld", help="success and context use on ALFWorld games (eval_alfworld.json)")
     alf_eval.add_argument("--config", default=None, help="YAML config (its eval section; default: built-in defaults)")
@@ -240,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_eval.add_argument("out", help="directory for compare.md and compare.png")
     cmp_eval.add_argument("dirs", nargs="+", help="`eval alfworld` output directories")
     cmp_eval.set_defaults(func=cmd_eval_compare)
+    add_lme_commands(sub, eva_sub)
 
     ben = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     ben.add_argument("what", choices=["env", "store", "rollout", "trainer"], help="what to measure")

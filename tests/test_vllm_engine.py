@@ -322,3 +322,18 @@ def test_int4_full_weight_sync_requantises(dense, tmp_path):
     fq, pl = torch.cat(to_fake_quant).mean().item(), torch.cat(to_plain).mean().item()
     print(f"mean |logprob diff|: to fake-quant {fq:.4f}, to the unquantised weights {pl:.4f}")
     assert fq < 0.15 and fq < pl / 10  # measured: 0.061 vs 1.761
+
+
+def test_lme_reader_client_against_the_server(server):
+    """The LME-V2 reader/judge client (eval/lme/llm.py) speaks to a real OpenAI-compatible vLLM server with
+    the paper's reader settings (top_k and thinking go in extra_body) and the judge's."""
+    from eval.lme.llm import JUDGE_SAMPLING, READER_SAMPLING, OpenAIChat
+    from eval.lme.reader import reader_messages
+
+    messages = reader_messages("web", [{"type": "text", "value": "The store currency is EUR."}], "Which currency?", None)
+    reader = OpenAIChat(f"{server}/v1", sampling={**READER_SAMPLING, "max_tokens": 8})
+    assert reader.model == "tiny"  # asked from /v1/models
+    judge = OpenAIChat(f"{server}/v1", "tiny", {**JUDGE_SAMPLING, "max_tokens": 8})
+    for chat in (reader, judge):
+        reply = chat.complete(messages)
+        assert isinstance(reply, str)

@@ -56,9 +56,12 @@ def tool_schemas(tools: tuple[str, ...], store: bool = True) -> list[dict]:
 
 
 def system_prompt(tools: tuple[str, ...], threshold: int, schemas_in_text: bool, *, store: bool = True,
-                  chain: bool = False, insights: tuple[str, ...] = ()) -> str:
-    """The system prompt of an agent (memexrl/agents.py): memory instructions only for what it has."""
-    parts = [_BASE]
+                  chain: bool = False, insights: tuple[str, ...] = (), base: str = "") -> str:
+    """The system prompt of an agent (memexrl/agents.py): memory instructions only for what it has.
+
+    `base` replaces the ALFWorld task paragraph (another task on the same loop, e.g. reading LME-V2
+    trajectories as a memory controller, eval/lme/memory/memex.py)."""
+    parts = [base or _BASE]
     if COMPRESS in tools or READ in tools:
         parts.append((_MEMORY if store else _SUMMARY_ONLY).format(threshold=threshold))
     if chain:

@@ -1,0 +1,139 @@
+"""The LME-V2 commands of `memexrl` (design.md "CLI"): `lme synth|score|lafs` and `eval lme`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from memexrl.errors import MemexError
+
+
+def _chat(spec: str | None, model: str, sampling: dict | None, max_new_tokens: int):
+    from eval.lme.llm import make_chat
+
+    return make_chat(spec, model, sampling, max_new_tokens) if spec else None
+
+
+def cmd_lme_synth(args: argparse.Namespace) -> None:
+    from eval.lme.synth import synth_command
+
+    print(synth_command(args.out, args.seed, args.small, args.medium, args.per_type))
+
+
+def cmd_lme_score(args: argparse.Namespace) -> None:
+    from eval.lme.llm import JUDGE_SAMPLING
+    from eval.lme.scoring import score_command
+
+    judge = _chat(args.judge, args.judge_model, JUDGE_SAMPLING, 256)
+    print(score_command(args.eval_function, args.answer, args.prediction, judge, question=args.question))
+
+
+def cmd_lme_lafs(args: argparse.Namespace) -> None:
+    from eval.lme.lafs import lafs_command
+
+    print(lafs_command(args.tier, args.point or [], args.result_dirs))
+
+
+def memory_options(args: argparse.Namespace, reader):
+    """MemoryOptions from the flags: the notes/controller LLM (default: the reader), the embedder, the
+    memex controller's checkpoint and config, `--set key=value` module settings."""
+    from eval.lme.memory.base import MemoryOptions
+    from memexrl.config import load_config
+
+    llm = _chat(args.memory_llm, args.memory_llm_model, {"temperature": 0.0, "max_tokens": 1024, "thinking": False},
+                args.local_max_new_tokens) if args.memory_llm else reader
+    extra: dict = {}
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise MemexError(f"--set {item!r}: use key=value")
+        try:
+            extra[key] = json.loads(value)
+        except json.JSONDecodeError:
+            extra[key] = value
+    if args.memory == "memex":
+        extra.setdefault("config", load_config(args.config, list(args.overrides)))
+        extra.setdefault("checkpoint", args.checkpoint or extra["config"].eval.checkpoint)
+    options = MemoryOptions(root=Path(args.data), llm=llm, controller=llm, extra=extra)
+    if args.embedder:
+        options.embedder = args.embedder
+    return options
+
+
+def cmd_eval_lme(args: argparse.Namespace) -> None:
+    from eval.lme.data import load_lme
+    from eval.lme.harness import LMERun, run_lme_eval
+    from eval.lme.llm import JUDGE_SAMPLING, READER_SAMPLING, LocalChat
+    from eval.lme.memory.base import memory_class
+    from eval.lme.reader import ContextCounter
+
+    memory_class(args.memory)  # bad input stops here, before any model loads
+    load_lme(args.data).haystack(args.haystack)
+    local = args.reader.startswith("local")
+    max_new = args.reader_max_tokens or (args.local_max_new_tokens if local else READER_SAMPLING["max_tokens"])
+    reader = _chat(args.reader, args.reader_model, {**READER_SAMPLING, "max_tokens": max_new}, max_new)
+    judge = _chat(args.judge, args.judge_model, JUDGE_SAMPLING, 256)
+    counter = None
+    if isinstance(reader, LocalChat):
+        counter = ContextCounter(reader.tokenizer)
+    else:
+        counter = ContextCounter.load(args.reader_tokenizer or reader.model)
+    out = Path(args.out or f"runs/lme-{args.memory}-{Path(args.haystack).stem}")
+    args.out = str(out)
+    run = LMERun(Path(args.data), args.haystack, args.memory, out, reader, judge, counter,
+                 args.max_context_tokens, args.questions, memory_options(args, reader))
+    result = run_lme_eval(run)
+    q = result.get("memory_query", {})
+    print(f"LME-V2 {args.haystack} / {args.memory}: accuracy {100 * (result.get('overall_full_set') or 0):.1f}% "
+          f"of {result.get('count_all_questions')} questions; query latency mean {q.get('avg_seconds') or 0:.2f} s "
+          f"(p95 {q.get('p95_seconds') or 0:.2f} s); written to {out}")
+
+
+def add_lme_commands(sub, eval_sub) -> None:
+    """Register `lme ...` under `sub` and `eval lme` under `eval_sub` (memexrl/cli.py)."""
+    lme = sub.add_parser("lme", help="LongMemEval-V2: synthetic data, scoring, LAFS")
+    lme_sub = lme.add_subparsers(dest="lme_command", required=True)
+    syn = lme_sub.add_parser("synth", help="a small LME-V2 data set in the real schema")
+    syn.add_argument("--out", required=True, help="new dataset root")
+    syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument("--small", type=int, default=24, help="trajectories in the small haystack")
+    syn.add_argument("--medium", type=int, default=60, help="trajectories in the medium haystack")
+    syn.add_argument("--per-type", type=int, default=3, help="questions per question type")
+    syn.set_defaults(func=cmd_lme_synth)
+    sco = lme_sub.add_parser("score", help="score one prediction with an eval_function spec: prints 1 or 0")
+    sco.add_argument("--eval-function", required=True, help="e.g. 'norm_phrase_set_match|separators=;'")
+    sco.add_argument("--answer", required=True, help="the gold answer")
+    sco.add_argument("--prediction", required=True, help="the reader's reply (its last \\boxed{} is scored)")
+    sco.add_argument("--question", default="", help="the question (LLM-judged specs)")
+    sco.add_argument("--judge", default=None, help="judge LLM for llm_* specs: URL, local or local:PATH")
+    sco.add_argument("--judge-model", default="", help="model name at the judge URL")
+    sco.set_defaults(func=cmd_lme_score)
+    laf = lme_sub.add_parser("lafs", help="latency-aware score (LAFS) with the reference points")
+    laf.add_argument("result_dirs", nargs="*", help="`eval lme` output directories (their accuracy and latency)")
+    laf.add_argument("--tier", choices=["small", "medium"], default=None)
+    laf.add_argument("--point", action="append", help="ACC_PERCENT,LATENCY_S (repeatable)")
+    laf.set_defaults(func=cmd_lme_lafs)
+
+    ev = eval_sub.add_parser("lme", help="LME-V2 accuracy and query latency of a memory module")
+    ev.add_argument("--data", required=True, help="dataset root (the real layout; `memexrl lme synth` makes one)")
+    ev.add_argument("--haystack", required=True, help="small, medium or a haystack JSON file")
+    ev.add_argument("--memory", required=True, help="none, rag, rag_notes, agentrunbook_r, m2 or memex")
+    ev.add_argument("--reader", default="local", help="OpenAI-compatible URL, local (SmolLM2) or local:PATH")
+    ev.add_argument("--reader-model", default="", help="model name at the reader URL (default: the server's)")
+    ev.add_argument("--reader-tokenizer", default="", help="tokenizer for the 200K budget (default: reader model)")
+    ev.add_argument("--reader-max-tokens", type=int, default=0, help="answer tokens (default: 20000; local 128)")
+    ev.add_argument("--local-max-new-tokens", type=int, default=128, help="generation cap of local LLMs")
+    ev.add_argument("--judge", default=None, help="judge LLM for the llm_* eval functions: URL, local, local:PATH")
+    ev.add_argument("--judge-model", default="")
+    ev.add_argument("--memory-llm", default=None, help="LLM writing notes/events/controller (default: the reader)")
+    ev.add_argument("--memory-llm-model", default="")
+    ev.add_argument("--embedder", default="", help="sentence-transformers name/path or embeddings URL")
+    ev.add_argument("--checkpoint", default=None, help="memex: the controller policy (checkpoint, run dir, model)")
+    ev.add_argument("--config", default=None, help="memex: the policy's memexrl YAML config")
+    ev.add_argument("--set", action="append", help="module setting key=value (e.g. max_reads=3)")
+    ev.add_argument("--questions", type=int, default=0, help="only the first N questions")
+    ev.add_argument("--max-context-tokens", type=int, default=200_000, help="reader memory budget")
+    ev.add_argument("--out", default=None, help="output directory (default runs/lme-MEMORY-HAYSTACK)")
+    ev.add_argument("overrides", nargs="*", help="memex: config overrides, section.key=value")
+    ev.set_defaults(func=cmd_eval_lme)

@@ -1,0 +1,69 @@
+"""`memexrl eval lme` end to end on a synthetic LME-V2 data set with the local reader (eval/lme/harness.py)."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+from eval.lme.metrics import AGGREGATED_FILE, PER_QUESTION_FIELDS, PER_QUESTION_FILE  # noqa: E402
+from eval.lme.reader import ContextCounter, truncate_items  # noqa: E402
+from eval.lme.synth import write_synthetic  # noqa: E402
+from memexrl.cli import main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lme") / "data"
+    write_synthetic(root, seed=0, n_trajectories_small=8, n_trajectories_medium=12, questions_per_type=1)
+    return root
+
+
+def rows_of(out):
+    return [json.loads(line) for line in (out / PER_QUESTION_FILE).read_text().splitlines()]
+
+
+def test_truncation_keeps_the_longest_prefix_of_whole_items(smol_tokenizer):
+    counter = ContextCounter(smol_tokenizer)
+    items = [{"type": "text", "value": f"item {i}: " + "word " * 50} for i in range(6)]
+    full = counter.count(items)
+    kept, original, final = truncate_items(items, counter, max_tokens=full - 1)
+    assert original == full and kept == items[:5] and final == counter.count(items[:5]) <= full - 1
+    assert truncate_items(items, counter, max_tokens=full) == (items, full, full)
+    assert truncate_items(items, counter, max_tokens=3)[0] == []
+
+
+@pytest.mark.slow
+def test_eval_lme_runs_scores_and_resumes(dataset, tmp_path):
+    out = tmp_path / "rag"
+    args = ["eval", "lme", "--data", str(dataset), "--haystack", "small", "--memory", "rag", "--judge", "local",
+            "--questions", "3", "--local-max-new-tokens", "24", "--out", str(out)]
+    assert main(args) == 0
+    rows = rows_of(out)
+    assert len(rows) == 3 and all(set(PER_QUESTION_FIELDS) <= set(r) for r in rows)
+    for r in rows:
+        assert r["memory_context"] and r["memory_query_duration_seconds"] > 0
+        assert r["memory_context_token_count"] <= r["memory_context_original_token_count"]
+        assert r["score"] in (0.0, 1.0) and r["response_raw"] is not None
+    aggregated = json.loads((out / AGGREGATED_FILE).read_text())
+    assert aggregated["overall"]["count_all_questions"] == 3
+    assert aggregated["memory_query"]["avg_seconds"] > 0
+    assert sorted(p.parent.name for p in (out / "memory_state").glob("*/DONE")) == ["group000-web", "group001-enterprise"]
+    # Interrupted in the middle of writing the third row: a rerun answers it again and keeps the others.
+    lines = (out / PER_QUESTION_FILE).read_text().splitlines()
+    (out / PER_QUESTION_FILE).write_text("\n".join(lines[:2]) + "\n" + lines[2][:40])
+    assert main(args) == 0
+    again = rows_of(out)
+    assert [r["question_id"] for r in again] == [r["question_id"] for r in rows]
+    assert again[:2] == rows[:2]
+
+
+def test_bad_input_is_one_clear_line(dataset, tmp_path, capsys):
+    assert main(["eval", "lme", "--data", str(tmp_path / "missing"), "--haystack", "small", "--memory", "none",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "memexrl lme synth" in capsys.readouterr().err
+    assert main(["eval", "lme", "--data", str(dataset), "--haystack", "small", "--memory", "nope",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "unknown memory module 'nope'" in capsys.readouterr().err

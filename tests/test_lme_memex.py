@@ -1,0 +1,103 @@
+"""The `memex` LME-V2 memory: the policy archives trajectories through the agent loop and reads them back."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+from eval.lme.memory.base import MemoryOptions, load_memory, make_memory  # noqa: E402
+from eval.lme.memory.memex import STORE_FILE, TrajectoryPager  # noqa: E402
+from memexrl.config import load_config  # noqa: E402
+from memexrl.errors import MemexError  # noqa: E402
+from rollout.engines import ScriptedEngine  # noqa: E402
+
+AXTREE = "[a1] RootWebArea 'ShopNova Admin'\n  [a7] heading 'Store settings'\n  [a12] textbox 'Currency' value: 'EUR'"
+TRAJ = {
+    "id": "traj-42", "domain": "web", "goal": "Check the store currency", "start_url": "http://shopnova/admin",
+    "outcome": "success",
+    "states": [
+        {"url": "http://shopnova/admin", "action": "click('a3')", "thought": "Open settings.",
+         "accessibility_tree": "[a1] RootWebArea 'ShopNova Admin'\n  [a3] link 'Settings'"},
+        {"url": "http://shopnova/admin/settings", "action": "send_msg_to_user('EUR')", "thought": "Found it.",
+         "accessibility_tree": AXTREE},
+        {"url": "http://shopnova/admin/settings", "action": None, "thought": "", "accessibility_tree": AXTREE},
+    ],
+}
+
+
+def call(name: str, arguments: dict, thought: str = "") -> str:
+    return f"{thought}\n<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>".strip()
+
+
+INSERT = [
+    call("execute_action", {"action": "next"}, "Show me the states."),
+    call("execute_action", {"action": "next"}),
+    call("CompressExperience", {
+        "summary": "Store settings seen.\nIndex map:\n- currency: the settings page with the currency field\n"
+                   "- facts: what the trajectory found",
+        "db_blocks": [
+            {"db_index": "currency", "start_anchor": "[a7] heading", "mid_anchor": "Currency",
+             "end_anchor": "value: 'EUR'"},
+            {"db_index": "facts", "db_content": "The ShopNova store currency is EUR (Settings page)."},
+        ]}, "Archive the currency."),
+    call("finish", {}),
+]
+QUERY = [call("ReadExperience", {"db_index": "t0000-currency"}, "The currency block."), call("finish", {})]
+
+
+@pytest.fixture
+def options(tmp_path, smol_tokenizer):
+    def make(workdir):
+        engine = ScriptedEngine(smol_tokenizer, {"insert-t0000": INSERT, "query": QUERY})
+        cfg = load_config(None, ["memory.threshold=1000", "rollout.max_context_tokens=8192"])
+        return MemoryOptions(extra={"engine": (engine, smol_tokenizer), "config": cfg, "workdir": str(workdir)})
+    return make
+
+
+def test_pager_shows_the_states_in_chunks_then_asks_to_archive():
+    pager = TrajectoryPager(TRAJ, per_chunk=2, max_chars=500)
+    assert "Check the store currency" in pager.reset().obs
+    first, second, after = pager.step("next").obs, pager.step("go to cabinet 1").obs, pager.step("next").obs
+    assert "State 0" in first and "State 1" in first and "State 2" not in first
+    assert "State 2" in second and "last state" in second
+    assert after.startswith("No more states")
+
+
+def test_what_the_policy_archives_is_the_context_and_survives_a_restart(options, tmp_path):
+    memory = make_memory("memex", options(tmp_path / "work"))
+    memory.insert(TRAJ)
+    assert memory.inserted() == ["traj-42"]
+    # The anchor block is copied exactly from the AXTree the policy saw; the catalog names the goal.
+    block = memory.store.read("t0000-currency")
+    assert block.mode == "anchor" and block.content == "[a7] heading 'Store settings'\n  [a12] textbox 'Currency' value: 'EUR'"
+    assert "Check the store currency" in block.description
+    assert memory.store.read("t0000-facts").content.startswith("The ShopNova store currency is EUR")
+    first = memory.query("What currency does the ShopNova store use?")
+    assert len(first) == 1 and first[0]["type"] == "text" and "value: 'EUR'" in first[0]["value"]
+    memory.save(tmp_path / "saved")
+    memory.close()
+    # Reopen from the saved directory (a new process would do the same): same store, same context.
+    again = load_memory("memex", tmp_path / "saved", options(tmp_path / "unused"))
+    assert again.inserted() == ["traj-42"]
+    assert again.query("What currency does the ShopNova store use?") == first
+    again.close()
+
+
+def test_a_missing_saved_memory_is_one_clear_error(options, tmp_path):
+    with pytest.raises(MemexError, match=STORE_FILE):
+        load_memory("memex", tmp_path / "nothing", options(tmp_path / "w"))
+
+
+def test_reads_are_bounded_and_a_bad_index_reads_nothing(tmp_path, smol_tokenizer):
+    reads = [call("ReadExperience", {"db_index": "nope"})] + [call("ReadExperience", {"db_index": "t0000-facts"})] * 5
+    engine = ScriptedEngine(smol_tokenizer, {"insert-t0000": INSERT, "query": reads})
+    cfg = load_config(None, ["memory.threshold=1000"])
+    memory = make_memory("memex", MemoryOptions(extra={"engine": (engine, smol_tokenizer), "config": cfg,
+                                                       "workdir": str(tmp_path), "max_reads": 2}))
+    memory.insert(TRAJ)
+    items = memory.query("currency?")
+    assert [i["value"].split("]")[0] for i in items] == ["[t0000-facts"]  # the same block once, the miss not at all
+    memory.close()
