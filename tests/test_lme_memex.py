@@ -69,6 +69,8 @@ def test_pager_shows_the_states_in_chunks_then_asks_to_archive():
 def test_what_the_policy_archives_is_the_context_and_survives_a_restart(options, tmp_path):
     memory = make_memory("memex", options(tmp_path / "work"))
     memory.insert(TRAJ)
+    assert memory.inserted() == []  # queued: read in a batch at flush (the harness flushes after the last insert)
+    memory.flush()
     assert memory.inserted() == ["traj-42"]
     # The anchor block is copied exactly from the AXTree the policy saw; the catalog names the goal.
     block = memory.store.read("t0000-currency")
@@ -100,4 +102,21 @@ def test_reads_are_bounded_and_a_bad_index_reads_nothing(tmp_path, smol_tokenize
     memory.insert(TRAJ)
     items = memory.query("currency?")
     assert [i["value"].split("]")[0] for i in items] == ["[t0000-facts"]  # the same block once, the miss not at all
+    memory.close()
+
+
+def test_queued_trajectories_are_read_together_and_keep_their_order(tmp_path, smol_tokenizer):
+    other = {**TRAJ, "id": "traj-43", "goal": "Look at the orders"}
+    engine = ScriptedEngine(smol_tokenizer, {"insert-t0000": INSERT, "insert-t0001": INSERT[:2] + INSERT[3:]})
+    cfg = load_config(None, ["memory.threshold=1000"])
+    memory = make_memory("memex", MemoryOptions(extra={"engine": (engine, smol_tokenizer), "config": cfg,
+                                                       "workdir": str(tmp_path), "insert_batch": 8}))
+    memory.insert(TRAJ)
+    memory.insert(other)
+    memory.flush()
+    assert memory.inserted() == ["traj-42", "traj-43"]
+    assert memory.store.indices() == ["t0000-currency", "t0000-facts"]  # the second archived nothing
+    episodes = [json.loads(line) for line in (tmp_path / "insert_episodes.jsonl").read_text().splitlines()]
+    assert [e["trajectory_id"] for e in episodes] == ["traj-42", "traj-43"]
+    assert [e["end_reason"] for e in episodes] == ["finish", "finish"]
     memory.close()

@@ -19,7 +19,8 @@ blocks it read, in reading order, are the memory context. Any checkpoint can be 
 (the ALFWorld GRPO one, the SFT one, a base model): `extra["checkpoint"]`, run by the engine of
 `extra["config"]` (memexrl Config: transformers or vLLM, eval.temperature), or `extra["engine"]`,
 an (engine, tokenizer) pair built by the caller. Other settings (`--set key=value`):
-states_per_chunk (2), state_max_chars (2000), max_reads (3), shortlist (12), workdir.
+states_per_chunk (2), state_max_chars (2000), max_reads (3), shortlist (12), insert_batch
+(rollout.batch_size: trajectories read together, one batched engine call per turn), workdir.
 
 Save/load: the SQLite file is the memory; `save` copies it (sqlite backup API) and `load`
 reopens it, so insert -> close -> reopen -> query gives the same context (greedy decoding).
@@ -40,6 +41,7 @@ from memexrl.agent import Episode
 from memexrl.agents import AgentSpec
 from memexrl.config import Config, load_config
 from memexrl.errors import MemexError
+from memexrl.finetune import resolve_checkpoint
 from memexrl.memory.parsing import COMPRESS, EXECUTE_ACTION, FINISH, READ
 from memexrl.memory.store import BlockWrite, InMemoryStore, SQLiteStore
 from rollout.engines import GenerationRequest
@@ -47,6 +49,8 @@ from rollout.engines import GenerationRequest
 log = logging.getLogger(__name__)
 
 STORE_FILE = "memex_store.sqlite"
+EPISODES_FILE = "insert_episodes.jsonl"  # the reading episodes (trajectory JSON), one line per trajectory
+TAIL_STEPS = 3  # turns after the last chunk to archive and finish
 BLOCKS, META = "lme", "lme-meta"  # store namespaces: the archived blocks; the inserted trajectory ids
 READ_TASK = """You are a memory controller reading the trajectory of a web agent, a few states at a time. \
 Act only through tool calls: in every reply, think briefly, then make exactly one call in this form:
@@ -102,7 +106,7 @@ class MemexMemory(Memory):
         super().__init__(options)
         x = options.extra
         self.cfg: Config = x.get("config") or load_config(None, [])
-        self.checkpoint = str(x.get("checkpoint") or self.cfg.model.name)
+        self.checkpoint = resolve_checkpoint(str(x.get("checkpoint") or self.cfg.model.name), "--checkpoint")
         self.per_chunk = int(x.get("states_per_chunk", 2))
         self.max_chars = int(x.get("state_max_chars", 2000))
         self.max_reads = int(x.get("max_reads", 3))
@@ -112,6 +116,8 @@ class MemexMemory(Memory):
         self.store = SQLiteStore(self.dir / STORE_FILE, BLOCKS)
         self.meta = SQLiteStore(self.dir / STORE_FILE, META)
         self._engine = None
+        self._pending: list[dict] = []  # inserted, not read yet (flush reads them in one batch)
+        self.batch = int(x.get("insert_batch", self.cfg.rollout.batch_size))
         self.read_spec = AgentSpec("memex-read", (EXECUTE_ACTION, COMPRESS, READ, FINISH), task_prompt=READ_TASK)
         self.query_spec = AgentSpec("memex-query", (READ, FINISH), status=False, task_prompt=QUERY_TASK)
 
@@ -127,16 +133,21 @@ class MemexMemory(Memory):
                                      for s in (self.read_spec, self.query_spec)})
         return self._engine
 
-    def _play(self, episode: Episode, env_step) -> Episode:
-        """Drive one episode to its end with the engine (one request at a time: greedy, reproducible)."""
+    def _play(self, games: list[tuple[Episode, TrajectoryPager]]) -> None:
+        """Drive episodes to their ends together: one engine call per turn for all that still run (the
+        engine batches them: rollout.batch_size), each env answer from its own pager."""
         engine, _ = self._engine_and_renderer()
-        while not episode.done:
-            req = GenerationRequest(episode.id, episode.request_ids(), episode.max_new_tokens(), state=episode)
-            action = episode.on_completion(engine.generate([req])[0])
-            if action is not None:
-                episode.on_env_result(env_step(action))
-        engine.release(episode.id)
-        return episode
+        active = list(games)
+        while active:
+            requests = [GenerationRequest(ep.id, ep.request_ids(), ep.max_new_tokens(), state=ep) for ep, _ in active]
+            for (episode, pager), completion in zip(active, engine.generate(requests)):
+                action = episode.on_completion(completion)
+                if action is not None:
+                    episode.on_env_result(pager.step(action))
+            for episode, _ in active:
+                if episode.done:
+                    engine.release(episode.id)
+            active = [g for g in active if not g[0].done]
 
     def _episode(self, spec: AgentSpec, store, max_steps: int, first: EnvResult, tag: str) -> Episode:
         _, renderers = self._engine_and_renderer()
@@ -151,24 +162,48 @@ class MemexMemory(Memory):
         return json.loads(block.content) if block else []
 
     def insert(self, trajectory: dict) -> None:
+        """Queue the trajectory; `flush` reads the queue in batches (the harness flushes after the last
+        insert, and `query`/`save` flush first), so insertion order and keys are kept."""
+        self._pending.append(trajectory)
+        if len(self._pending) >= self.batch:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
         ids = self.inserted()
-        prefix = f"t{len(ids):04d}"
-        pager = TrajectoryPager(trajectory, self.per_chunk, self.max_chars)
-        chunks = -(-len(trajectory["states"]) // self.per_chunk)
-        scratch = InMemoryStore()
-        episode = self._play(self._episode(self.read_spec, scratch, chunks + 6, pager.reset(), f"insert-{prefix}"),
-                             pager.step)
+        games, scratches = [], []
+        for n, trajectory in enumerate(self._pending):
+            prefix = f"t{len(ids) + n:04d}"
+            pager = TrajectoryPager(trajectory, self.per_chunk, self.max_chars)
+            chunks = -(-len(trajectory["states"]) // self.per_chunk)
+            scratches.append(InMemoryStore())
+            episode = self._episode(self.read_spec, scratches[-1], chunks + TAIL_STEPS, pager.reset(),
+                                    f"insert-{prefix}")
+            games.append((episode, pager))
+        self._play(games)
+        with (self.dir / EPISODES_FILE).open("a") as log_file:
+            for n, (trajectory, (episode, _), scratch) in enumerate(zip(self._pending, games, scratches)):
+                self._archive(f"t{len(ids) + n:04d}", trajectory, scratch, len(ids) + n)
+                # what the policy did, for inspection
+                log_file.write(json.dumps({"trajectory_id": trajectory["id"], **episode.traj.to_json()}) + "\n")
+                log.info("memex insert t%04d (%s): %d steps, %d blocks archived", len(ids) + n, trajectory["id"],
+                         len(episode.traj.steps), len(scratch))
+        ids += [t["id"] for t in self._pending]
+        self.meta.write_many([BlockWrite("inserted", json.dumps(ids), "explicit")], step=0)
+        self._pending = []
+
+    def _archive(self, prefix: str, trajectory: dict, scratch: InMemoryStore, ordinal: int) -> None:
+        """The blocks the policy archived while reading one trajectory, into the durable store under its prefix."""
         goal = str(trajectory.get("goal", ""))[:200]
         blocks = [BlockWrite(f"{prefix}-{b.index}"[:64], b.content, b.mode,
                              f"{b.description} (trajectory goal: {goal})".strip())
                   for b in (scratch.read(i) for i in scratch.indices())]
         if blocks:
-            self.store.write_many(blocks, step=len(ids))
-        self.meta.write_many([BlockWrite("inserted", json.dumps([*ids, trajectory["id"]]), "explicit")], step=0)
-        log.info("memex insert %s (%s): %d steps, %d blocks archived", prefix, trajectory["id"],
-                 len(episode.traj.steps), len(blocks))
+            self.store.write_many(blocks, step=ordinal)
 
     def query(self, question: str, question_image: str | None = None) -> list[dict]:
+        self.flush()
         shortlist = self.store.suggest(question, self.shortlist) or self.store.indices()[: self.shortlist]
         lines = [f"- {k}: {self.store.read(k).description or 'archived block'}" for k in shortlist]
         task = (f"Question: {question}\nArchived blocks that may hold the answer (db_index: what it holds):\n"
@@ -177,7 +212,7 @@ class MemexMemory(Memory):
         first = EnvResult("lme", task, 0.0, False, False, {"goal": question})
         episode = self._episode(self.query_spec, self.store, self.max_reads + 2, first, "query")
         engine, _ = self._engine_and_renderer()
-        read: list[str] = []
+        read: list[str] = []  # (one question at a time: the latency of query() is its own)
         while not episode.done and len(read) < self.max_reads:
             req = GenerationRequest(episode.id, episode.request_ids(), episode.max_new_tokens(), state=episode)
             episode.on_completion(engine.generate([req])[0])
@@ -191,6 +226,7 @@ class MemexMemory(Memory):
                 for k in read]
 
     def save(self, directory: Path) -> None:
+        self.flush()
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         target = directory / STORE_FILE
@@ -206,5 +242,6 @@ class MemexMemory(Memory):
         return cls(options, store_dir=Path(directory))
 
     def close(self) -> None:
+        self.flush()
         self.store.close()
         self.meta.close()
