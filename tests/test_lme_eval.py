@@ -36,11 +36,13 @@ def test_truncation_keeps_the_longest_prefix_of_whole_items(smol_tokenizer):
 
 
 @pytest.mark.slow
-def test_eval_lme_runs_scores_and_resumes(dataset, tmp_path):
+def test_eval_lme_runs_scores_and_resumes(dataset, tmp_path, capsys):
     out = tmp_path / "rag"
     args = ["eval", "lme", "--data", str(dataset), "--haystack", "small", "--memory", "rag", "--judge", "local",
             "--questions", "3", "--local-max-new-tokens", "24", "--out", str(out)]
     assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "small / rag: accuracy" in printed and "of 3 questions" in printed
     rows = rows_of(out)
     assert len(rows) == 3 and all(set(PER_QUESTION_FIELDS) <= set(r) for r in rows)
     for r in rows:
@@ -50,6 +52,8 @@ def test_eval_lme_runs_scores_and_resumes(dataset, tmp_path):
     aggregated = json.loads((out / AGGREGATED_FILE).read_text())
     assert aggregated["overall"]["count_all_questions"] == 3
     assert aggregated["memory_query"]["avg_seconds"] > 0
+    # The synthetic set's planted answers: rag's slices carry them into the context (a diagnostic of ours).
+    assert 0 < aggregated["evidence_recall"] <= 1 and all(isinstance(r["evidence_in_context"], bool) for r in rows)
     assert sorted(p.parent.name for p in (out / "memory_state").glob("*/DONE")) == ["group000-web", "group001-enterprise"]
     # Interrupted in the middle of writing the third row: a rerun answers it again and keeps the others.
     lines = (out / PER_QUESTION_FILE).read_text().splitlines()

@@ -84,10 +84,10 @@ def cmd_eval_lme(args: argparse.Namespace) -> None:
     run = LMERun(Path(args.data), args.haystack, args.memory, out, reader, judge, counter,
                  args.max_context_tokens, args.questions, memory_options(args, reader))
     result = run_lme_eval(run)
-    q = result.get("memory_query", {})
-    print(f"LME-V2 {args.haystack} / {args.memory}: accuracy {100 * (result.get('overall_full_set') or 0):.1f}% "
-          f"of {result.get('count_all_questions')} questions; query latency mean {q.get('avg_seconds') or 0:.2f} s "
-          f"(p95 {q.get('p95_seconds') or 0:.2f} s); written to {out}")
+    q, overall = result["memory_query"], result["overall"]
+    print(f"LME-V2 {args.haystack} / {args.memory}: accuracy {100 * (overall['overall_full_set'] or 0):.1f}% "
+          f"of {overall['count_all_questions']} questions; query latency mean {q['avg_seconds'] or 0:.3f} s "
+          f"(p95 {q['p95_seconds'] or 0:.3f} s); written to {out}")
 
 
 def add_lme_commands(sub, eval_sub) -> None:

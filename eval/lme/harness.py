@@ -13,6 +13,11 @@ For one haystack tier (`small`, `medium` or a JSON file) and one memory module:
 3. `OUT/per_question.jsonl` is appended question by question (a rerun skips the questions it
    already holds: an interrupted run resumes), then `OUT/aggregated_metrics.json` (eval/lme/metrics.py).
 
+On a data set from `memexrl lme synth` (its `synth_evidence.json` names the planted answer strings), each
+row also gets `evidence_in_context` (every planted string of the question is in the context the reader
+got) and the aggregate `evidence_recall`: a diagnostic of ours, not the benchmark's, that compares memory
+modules when the reader is too weak to answer (SmolLM2 on a CPU).
+
 The reader's budget is 200,000 tokens of its tokenizer (the benchmark's); a local reader's own
 window is smaller, so for it the budget is its window minus the system prompt, question and
 answer room (documented deviation: a 135M model cannot read 200K tokens).
@@ -110,6 +115,22 @@ def answer_question(run: LMERun, memory: Memory, q: LMEQuestion, index: int, hay
     }
 
 
+def evidence_strings(root: Path) -> dict[str, list[str]]:
+    """question id -> the answer strings `lme synth` planted ({} for other data sets)."""
+    path = Path(root) / "synth_evidence.json"
+    if not path.is_file():
+        return {}
+    return {qid: [needle[-1] for needle in e.get("needles", [])] for qid, e in json.loads(path.read_text()).items()}
+
+
+def evidence_in_context(row: dict, strings: list[str]) -> bool | None:
+    """Whether every planted string is in the text the reader got (None: nothing planted for this question)."""
+    if not strings:
+        return None
+    text = "\n".join(i["value"] for i in row["memory_context"] if i["type"] == "text")
+    return all(s in text for s in strings)
+
+
 def done_rows(path: Path) -> dict[str, dict]:
     """The rows an earlier (interrupted) run wrote, by question id; a torn last line is dropped."""
     rows: dict[str, dict] = {}
@@ -142,6 +163,7 @@ def run_lme_eval(run: LMERun) -> dict:
     # Rewrite the file with the complete rows only (drops a torn line), then append.
     per_question.write_text("".join(json.dumps(r) + "\n" for r in rows.values()))
     index = {q.id: n for n, q in enumerate(questions)}
+    planted = evidence_strings(data.root)
     with per_question.open("a") as f:
         for n, (ids, group) in enumerate(data.haystack_groups(haystacks)):
             todo = [q for q in group if q.id in chosen and q.id not in rows]
@@ -153,11 +175,16 @@ def run_lme_eval(run: LMERun) -> dict:
             try:
                 for q in tqdm(todo, desc=f"questions ({run.memory}, {key})", unit="q"):
                     rows[q.id] = answer_question(run, memory, q, index[q.id], ids)
+                    rows[q.id]["evidence_in_context"] = evidence_in_context(rows[q.id], planted.get(q.id, []))
                     f.write(json.dumps(rows[q.id]) + "\n")
                     f.flush()
             finally:
                 memory.close()
     result = aggregate([rows[q.id] for q in questions])
     result["memory"] = run.memory
+    checked = [evidence_in_context(rows[q.id], planted.get(q.id, [])) for q in questions]
+    checked = [c for c in checked if c is not None]
+    if checked:  # synthetic data only (see the module docstring)
+        result["evidence_recall"] = sum(checked) / len(checked)
     (run.out / AGGREGATED_FILE).write_text(json.dumps(result, indent=2) + "\n")
     return result
