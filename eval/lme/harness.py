@@ -45,7 +45,7 @@ from eval.lme.reader import (
     truncate_items,
     validate_items,
 )
-from eval.lme.scoring import JUDGE_KIND, extract_boxed, is_unknown, parse_eval_function, score
+from eval.lme.scoring import extract_boxed, is_unknown, parse_eval_function, score
 
 log = logging.getLogger(__name__)
 MEMORY_STATE = "memory_state"
@@ -100,8 +100,7 @@ def answer_question(run: LMERun, memory: Memory, q: LMEQuestion, index: int, hay
     reply = run.reader.complete(reader_messages(q.domain, kept, q.question, q.image))
     parsed = extract_boxed(reply)
     name, _ = parse_eval_function(q.eval_function)
-    judge = run.judge if name in JUDGE_KIND else None
-    points = score(q.eval_function, q.answer, parsed, question=q.question, reply=reply, judge=judge)
+    points = score(q.eval_function, q.answer, parsed, question=q.question, reply=reply, judge=run.judge)
     return {
         "index": index, "question_id": q.id, "question_type": q.question_type,
         "category": category_of(q.question_type), "is_abstention_problem": name == "llm_abstention_checker",
