@@ -124,10 +124,16 @@ class ExpertConfig:
         0.0,
     )
     max_detours: int = _help("Most detours in one episode.", 4)
+    max_turn_tokens: int = _help(
+        "The expert's turns at most this many tokens (0 = rollout.max_new_tokens). Below the cap, the "
+        "longer calls a small policy writes after SFT still fit before they are cut.",
+        0,
+    )
     rejected_compress_rate: float = _help(
-        "Chance, at each compression, that the expert first sends a CompressExperience the tool rejects "
-        "(a wrong or missing anchor, an index twice; not trained) and then, trained, the correct one: the "
-        "demonstrations teach answering the validation error (sft/detours.py). Not in the paper; 0 = off.",
+        "Chance, at each compression, that the expert first sends a CompressExperience that is rejected "
+        "(half by the tool: a wrong or missing anchor, an index twice; half by the parser: a cut call, "
+        "unmatched brackets; not trained) and then, trained, the correct one (the shortest after a format "
+        "error): the demonstrations teach answering the error (sft/detours.py). Not in the paper; 0 = off.",
         0.0,
     )
 
@@ -289,6 +295,7 @@ class Config:
             (0 <= self.expert.detour_rate < 1, "expert.detour_rate must be in [0, 1)"),
             (self.expert.max_detours >= 0, "expert.max_detours must be >= 0"),
             (0 <= self.expert.rejected_compress_rate < 1, "expert.rejected_compress_rate must be in [0, 1)"),
+            (self.expert.max_turn_tokens >= 0, "expert.max_turn_tokens must be >= 0 (0 = rollout.max_new_tokens)"),
             (0 <= self.sft.validation_fraction < 1, "sft.validation_fraction must be in [0, 1)"),
             (self.sft.per_device_batch_size > 0, "sft.per_device_batch_size must be > 0"),
             (self.sft.gradient_accumulation_steps > 0, "sft.gradient_accumulation_steps must be > 0"),

@@ -14,10 +14,15 @@ CompressExperience the tool rejects (`break_compress`), in the ways a small poli
 
 - `wrong_anchor`: an end anchor that is not in the context (the last word without its number, ...);
 - `missing_anchor`: a block with start and mid anchors but no end anchor;
-- `twice`: the same db_index for two blocks.
+- `twice`: the same db_index for two blocks;
 
-The validation error stays in the context; the next turn (trained) names the mistake and sends
-the correct call. Without these, a policy that sent one wrong call repeated it until its window
+or one the parser rejects as a format error (`malform_call`), as the policy's own long calls fail:
+
+- `cut`: the call stops before `</tool_call>` (a summary longer than the generation cap);
+- `invalid_json`: brackets that do not match (a block's closing brace left out).
+
+The error stays in the context; the next turn (trained) names the mistake and sends the correct
+call (after a format error, the shortest one: a long call is what failed). Without these, a policy that sent one wrong call repeated it until its window
 was full: it had never seen a rejected compression answered.
 
 The detour turn is played (its observation stays in the context and W grows) but carries loss
@@ -36,9 +41,11 @@ import random
 import re
 
 from memexrl.memory.anchors import extract_span
+from memexrl.memory.parsing import CLOSE_TAG, OPEN_TAG, parse_tool_call
 
 DETOUR_KINDS = ("wander", "revisit", "repeat")
-BROKEN_COMPRESS_KINDS = ("wrong_anchor", "missing_anchor", "twice")
+BROKEN_COMPRESS_KINDS = ("wrong_anchor", "missing_anchor", "twice")  # rejected by CompressExperience
+MALFORMED_CALL_KINDS = ("cut", "invalid_json")  # rejected by the parser: format errors
 # Verbs safe to repeat: on a second try they change nothing (or only re-open/close), so the planner's
 # bookkeeping stays right. `go to` again would make the planner think an opened receptacle is unchecked.
 _REPEATABLE = ("examine", "open", "close", "take", "move")
@@ -111,8 +118,33 @@ def break_compress(rng: random.Random, arguments: dict, context_text: str) -> tu
     return "missing_anchor", broken
 
 
+def malform_call(rng: random.Random, text: str) -> tuple[str, str] | None:
+    """(kind, text) of the assistant turn `text` (thought + one correct call) made malformed so that
+    the parser rejects it: cut inside the call's arguments, or with one closing brace left out;
+    None when the call has no arguments object to damage."""
+    start = text.find(OPEN_TAG)
+    body_start = text.find('"arguments"', start)
+    if start < 0 or body_start < 0 or not text.endswith(CLOSE_TAG):
+        return None
+    kind = rng.choice(MALFORMED_CALL_KINDS)
+    if kind == "cut":  # somewhere in the second half of the arguments, as a generation cap cuts it
+        lo = (body_start + len(text) - len(CLOSE_TAG)) // 2
+        return kind, text[: rng.randrange(lo, len(text) - len(CLOSE_TAG) - 1)]
+    closing = [body_start + m.start() for m in re.finditer(r"\}", text[body_start:])]
+    rng.shuffle(closing)
+    for drop in closing:  # a brace inside a string leaves valid JSON: try another
+        damaged = text[:drop] + text[drop + 1:]
+        if parse_tool_call(damaged).format_error:
+            return kind, damaged
+    return None
+
+
 def recovery_thought(error: str) -> str:
     """The (trained) thought after a rejected CompressExperience: what was wrong, then the fix."""
+    if error.startswith("Format error: unclosed"):
+        return "My call was cut off before </tool_call>: it was too long. I send a shorter compression."
+    if error.startswith("Format error"):
+        return "My call was not valid JSON. I send a shorter compression and close every bracket."
     if "appears twice" in error:
         return "My compression was rejected: I used one index twice. Each block gets its own index; I retry."
     if "missing" in error:

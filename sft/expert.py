@@ -27,182 +27,49 @@ random moves, which no policy could learn from the context).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import re
 from collections import Counter
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from memexrl.memory.anchors import extract_span
 from memexrl.memory.parsing import COMPRESS, EXECUTE_ACTION, READ
 from rollout.engines import GenerationRequest, ScriptedEngine
 from sft.dataset import game_id
-from sft.detours import break_compress, choose_detour, detour_rng, detour_thought, recovery_thought
+from sft.detours import (
+    break_compress,
+    choose_detour,
+    detour_rng,
+    detour_thought,
+    malform_call,
+    recovery_thought,
+)
+from sft.world import (
+    APPLIANCE,
+    NEEDS,
+    TRANSFORMS,
+    Targets,
+    WorldNotes,
+    action_names,
+    mentions,
+    name_class,
+    seen_items,
+)
 
 log = logging.getLogger(__name__)
 
-MIN_STEPS_BETWEEN_COMPRESSIONS = 3  # env actions since the last compression before a boundary compresses
 ROOM_INDEX = "room"
 FACTS_INDEX = "facts"
-_STATUS_SPLIT = "\n\n[Context Status:"
-_NOTHING = "Nothing happens."
-_ARGS = [re.compile(p) for p in (
-    r"(?:go to|open|close|examine|use) (?P<a>.+)",
-    r"take (?P<a>.+?) from (?P<b>.+)",
-    r"move (?P<a>.+?) to (?P<b>.+)",
-    r"(?:heat|cool|clean|slice) (?P<a>.+?) with (?P<b>.+)",
-)]  # fmt: skip
-_TRANSFORMS = {"heat": "heated", "cool": "cooled", "clean": "cleaned", "slice": "sliced"}
-_APPLIANCE = {"heat": "microwave", "cool": "fridge", "clean": "sinkbasin"}
-_NEEDS = {"pick_heat_then_place_in_recep": "heat", "pick_cool_then_place_in_recep": "cool",
-          "pick_clean_then_place_in_recep": "clean"}  # fmt: skip
-
-
-def action_names(action: str) -> list[str]:
-    """The object and receptacle names an ALFWorld command refers to (e.g. take A from B -> [A, B])."""
-    for pattern in _ARGS:
-        match = pattern.fullmatch(action.strip())
-        if match:
-            return [n for n in match.groupdict().values() if n]
-    return []
-
-
-def name_class(name: str) -> str:
-    """'apple 2' -> 'apple' (standard ALFWorld names); raw PDDL names are returned as they are."""
-    return re.sub(r" \d+$", "", name)
-
-
-def mentions(text: str, name: str) -> bool:
-    """Whether `name` occurs in `text` as a whole name ('apple 1' is not in 'pineapple 1' or 'apple 10')."""
-    return re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text) is not None
-
-
-def seen_items(body: str) -> list[str] | None:
-    """The objects listed by an observation ('..., you see a apple 1, and a mug 2.'), None if it lists none."""
-    if "you see " not in body:
-        return None
-    listed = body.rsplit("you see ", 1)[1].rstrip(".").strip()
-    if listed == "nothing":
-        return []
-    parts = re.split(r",\s*(?:and\s+)?|\s+and\s+", listed)
-    return [re.sub(r"^(?:a|an)\s+", "", p.strip()) for p in parts if p.strip()]
-
-
-def body_of(observation: str) -> str:
-    """An observation without the context status the agent loop appends."""
-    return observation.split(_STATUS_SPLIT, 1)[0]
-
-
-@dataclass(frozen=True)
-class Targets:
-    """The task's classes (from the game's traj_data.json: the goal says the same in words)."""
-
-    obj: str = ""
-    parent: str = ""
-    toggle: str = ""
-
-    @classmethod
-    @functools.lru_cache(maxsize=256)
-    def of_game(cls, game: str) -> Targets:
-        try:
-            params = json.loads((Path(game).parent / "traj_data.json").read_text())["pddl_params"]
-        except (OSError, ValueError, KeyError):
-            return cls()
-        return cls(*(str(params.get(k) or "").lower() for k in ("object_target", "parent_target", "toggle_target")))
-
-    def interesting(self) -> list[str]:
-        return [c for c in (self.obj, self.toggle) if c]
-
-
-@dataclass
-class WorldNotes:
-    """What the episode has shown so far, read back from its steps (the expert's own memory)."""
-
-    room: str = ""
-    looked: bool = False
-    contents: dict[str, list[str]] = field(default_factory=dict)  # receptacle -> objects last seen there
-    checked: list[str] = field(default_factory=list)  # receptacles whose contents were seen
-    held: str | None = None
-    location: str = ""  # the receptacle the agent went to last
-    states: dict[str, list[str]] = field(default_factory=dict)  # object -> heated / cooled / ...
-    placed: list[tuple[str, str]] = field(default_factory=list)
-    done: list[str] = field(default_factory=list)  # milestones, in words
-    milestone: str | None = None  # the milestone of the newest step, when it was one
-    env_since_compress: int = 0
-    segment_obs: list[tuple[str, str]] = field(default_factory=list)  # (receptacle, body) of this segment
-    room_in_segment: bool = False
-    read_in_segment: set[str] = field(default_factory=set)
-
-    @classmethod
-    def from_steps(cls, steps: list) -> WorldNotes:
-        notes = cls()
-        for step in steps:
-            notes._take(step)
-        return notes
-
-    def _take(self, step) -> None:
-        self.milestone = None
-        if step.compressed:
-            self.env_since_compress, self.segment_obs, self.room_in_segment = 0, [], False
-            self.read_in_segment = set()
-            return
-        if step.tool == READ and step.error is None:
-            self.read_in_segment.add(step.arguments["db_index"])
-            return
-        if step.tool != EXECUTE_ACTION or step.format_error or step.error:
-            return
-        self.env_since_compress += 1
-        action, body = step.arguments["action"].strip(), body_of(step.observation)
-        if action == "look":
-            if not self.looked and body.startswith("You are in the middle of a room"):
-                self.room, self.room_in_segment = body, True
-            self.looked = True
-            return
-        if body.startswith(_NOTHING):
-            return
-        names = action_names(action)
-        verb = action.split(" ", 1)[0]
-        if verb == "go" and names:
-            self.location = names[0]
-        items = seen_items(body)
-        if items is not None and verb in ("go", "open", "examine") and names:
-            self.contents[names[0]] = items
-            if names[0] not in self.checked:
-                self.checked.append(names[0])
-            self.segment_obs.append((names[0], body))
-        if verb == "take" and len(names) == 2:
-            self.held = names[0]
-            if names[0] in self.contents.get(names[1], []):
-                self.contents[names[1]].remove(names[0])
-            self._milestone(f"took {names[0]} from {names[1]}")
-        elif verb == "move" and len(names) == 2:
-            self.held = None
-            self.placed.append((names[0], names[1]))
-            self.contents.setdefault(names[1], []).append(names[0])
-            self._milestone(f"put {names[0]} in/on {names[1]}")
-        elif verb in _TRANSFORMS and len(names) == 2:
-            self.states.setdefault(names[0], []).append(_TRANSFORMS[verb])
-            self._milestone(f"{_TRANSFORMS[verb]} {names[0]} with {names[1]}")
-        elif verb == "use" and names:
-            self._milestone(f"turned on {names[0]}")
-
-    def _milestone(self, text: str) -> None:
-        self.milestone = text
-        self.done.append(text)
-
-    def where_seen(self, cls: str) -> list[tuple[str, str]]:
-        """(object, receptacle) for every object of class `cls` last seen somewhere (not held)."""
-        return [(o, r) for r, objs in self.contents.items() for o in objs if name_class(o) == cls and o != self.held]
+MIN_STEPS_BETWEEN_COMPRESSIONS = 3  # env actions since the last compression before a boundary compresses
 
 
 class MemexExpertEngine(ScriptedEngine):
     """The Memex expert as an engine: each request's episode (`req.state`) decides the next turn."""
 
     def __init__(self, tokenizer, detour_rate: float = 0.0, max_detours: int = 4, seed: int = 0,
-                 rejected_compress_rate: float = 0.0):
+                 rejected_compress_rate: float = 0.0, max_turn_tokens: int = 0):
         super().__init__(tokenizer, {})
+        self.max_turn_tokens = max_turn_tokens  # 0: the request's max_new_tokens
         # Why episodes were stopped: "no_plan" (the handcoded expert gave up) or "unseen_name" (its next
         # action names something neither in the context nor in the store: a random move the policy
         # could not have made, so the demonstration ends there).
@@ -218,7 +85,8 @@ class MemexExpertEngine(ScriptedEngine):
         for req in requests:
             if req.state is None:
                 raise ValueError("MemexExpertEngine needs the episode in GenerationRequest.state")
-            text = self.next_turn(req.state, req.max_new_tokens)
+            cap = req.max_new_tokens if self.max_turn_tokens <= 0 else min(req.max_new_tokens, self.max_turn_tokens)
+            text = self.next_turn(req.state, cap)
             if text is not None:  # None: no plan left, the script runs out and the episode ends
                 self.scripts.setdefault(req.episode_id, []).append(text)
         completions = super().generate(requests)
@@ -285,7 +153,7 @@ class MemexExpertEngine(ScriptedEngine):
 
     def _should_compress(self, ep, notes: WorldNotes) -> bool:
         last = ep.traj.steps[-1]
-        if last.tool == COMPRESS and last.error:
+        if failed_compress(last):
             return True  # a rejected compression is answered with the correct one (sft/detours.py)
         if notes.env_since_compress < 1 or last.tool == READ:
             return False  # never twice without acting in between, nor between a read and the action it serves
@@ -310,29 +178,34 @@ class MemexExpertEngine(ScriptedEngine):
         return best[3] if best else None
 
     def _compress_turn(self, ep, notes: WorldNotes, targets: Targets, action: str, budget: int) -> str | None:
-        """The correct CompressExperience (after a rejected one: saying what was wrong), or, drawn at
-        `rejected_compress_rate`, first a broken one the tool rejects (untrained); None if none fits."""
-        call = self._compress(ep, notes, targets, action, budget)
+        """The correct CompressExperience (after a rejected one: saying what was wrong; after a format
+        error: the shortest), or, drawn at `rejected_compress_rate`, first one that the tool or the parser
+        rejects (untrained); None if none fits."""
+        last = ep.traj.steps[-1]
+        call = self._compress(ep, notes, targets, action, budget, shortest=last.format_error)
         if call is None:
             return None
         thoughts, arguments = call
-        last = ep.traj.steps[-1]
-        if last.tool == COMPRESS and last.error:
-            return self._fit([recovery_thought(last.error), ""], COMPRESS, arguments, budget) or self._fit(
+        if failed_compress(last):
+            return self._fit([recovery_thought(last.error or ""), ""], COMPRESS, arguments, budget) or self._fit(
                 *call, budget)
+        text = self._fit(thoughts, COMPRESS, arguments, budget)
         rng = detour_rng(self.seed, game_id(ep.traj.game), len(ep.traj.steps))
-        if self.rejected_compress_rate > 0 and rng.random() < self.rejected_compress_rate:
-            broken = break_compress(rng, arguments, ep.context.working_text())
-            text = broken and self._fit(thoughts, COMPRESS, broken[1], budget)
-            if text:
-                self.detours[broken[0]] += 1
+        if text and self.rejected_compress_rate > 0 and rng.random() < self.rejected_compress_rate:
+            if rng.random() < 0.5:  # rejected by the tool
+                broken = break_compress(rng, arguments, ep.context.working_text())
+                wrong = broken and (broken[0], self._fit(thoughts, COMPRESS, broken[1], budget))
+            else:  # rejected by the parser
+                wrong = malform_call(rng, text)
+            if wrong and wrong[1]:
+                self.detours[wrong[0]] += 1
                 self._untrained.add(ep.id)
-                return text
-        return self._fit(thoughts, COMPRESS, arguments, budget)
+                return wrong[1]
+        return text
 
-    def _compress(self, ep, notes: WorldNotes, targets: Targets, action: str, budget: int):
+    def _compress(self, ep, notes: WorldNotes, targets: Targets, action: str, budget: int, shortest: bool = False):
         """(thoughts, arguments) of a CompressExperience, at the most detail that fits the token budget
-        (None if none fits).
+        (None if none fits); at the least detail if `shortest`.
 
         When a name of the planned `action` would be in neither the summary nor a block afterwards
         (a small budget dropped its block), the summary says the next action exactly.
@@ -348,7 +221,8 @@ class MemexExpertEngine(ScriptedEngine):
         facts = {"db_index": FACTS_INDEX, "db_content": facts_text(notes, targets, full=True)}
         short = {"db_index": FACTS_INDEX, "db_content": facts_text(notes, targets, full=False)}
         # The most detail that fits the budget; the room overview is dropped last (later reads need it).
-        for detail, blocks in ((2, [*anchored, facts]), (1, [*anchored[:1], short]), (0, anchored[:1] or [short])):
+        levels = ((2, [*anchored, facts]), (1, [*anchored[:1], short]), (0, anchored[:1] or [short]))
+        for detail, blocks in levels[::-1] if shortest else levels:
             indices = existing + [b["db_index"] for b in blocks if b["db_index"] not in existing]
             summary = summary_text(ep.traj.task_type, notes, targets, indices, detail)
             written = {b["db_index"] for b in blocks}
@@ -373,6 +247,11 @@ class MemexExpertEngine(ScriptedEngine):
             log.warning("a %s call does not fit in %d new tokens", name, budget)
             return call
         return None
+
+
+def failed_compress(step) -> bool:
+    """A CompressExperience that the tool rejected or that failed to parse (a format error)."""
+    return step.tool == COMPRESS and bool(step.error) or step.format_error and COMPRESS in step.assistant
 
 
 # --- texts ----------------------------------------------------------------------------------------
@@ -477,9 +356,9 @@ def next_goal(task_type: str, notes: WorldNotes, targets: Targets) -> str:
     if not notes.held:
         second = task_type == "pick_two_obj_and_place" and notes.placed
         return "find " + with_article(f"second {obj}" if second else obj)
-    need = _NEEDS.get(task_type)
-    if need and _TRANSFORMS[need] not in notes.states.get(notes.held, []):
-        return f"{need} {notes.held} with the {_APPLIANCE[need]}"
+    need = NEEDS.get(task_type)
+    if need and TRANSFORMS[need] not in notes.states.get(notes.held, []):
+        return f"{need} {notes.held} with the {APPLIANCE[need]}"
     return f"put {notes.held} in/on the {parent}"
 
 
@@ -502,7 +381,7 @@ def act_thought(action: str, notes: WorldNotes, targets: Targets) -> str:
         return f"There is {names[0]} at {names[1]}; I take it."
     if verb == "move" and len(names) == 2:
         return f"I put the {names[0]} in/on {names[1]}."
-    if verb in _TRANSFORMS and len(names) == 2:
+    if verb in TRANSFORMS and len(names) == 2:
         return f"I {verb} the {names[0]} with {names[1]}."
     if verb == "use" and names:
         return f"I turn on {names[0]} to look at the {notes.held or obj} under its light."

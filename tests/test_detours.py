@@ -4,6 +4,7 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import json  # noqa: E402
 import random  # noqa: E402
 
 import pytest  # noqa: E402
@@ -12,19 +13,12 @@ from envs.data import ordered_games  # noqa: E402
 from memexrl.cli import replay  # noqa: E402
 from memexrl.config import load_config  # noqa: E402
 from memexrl.memory.context import WorkingContext  # noqa: E402
-from memexrl.memory.parsing import COMPRESS  # noqa: E402
+from memexrl.memory.parsing import COMPRESS, parse_tool_call  # noqa: E402
 from memexrl.memory.store import open_store  # noqa: E402
 from memexrl.memory.tools import run_compress  # noqa: E402
+from sft import detours  # noqa: E402
 from sft.demos import run_expert  # noqa: E402
-from sft.detours import (  # noqa: E402
-    BROKEN_COMPRESS_KINDS,
-    DETOUR_KINDS,
-    break_compress,
-    choose_detour,
-    detour_rng,
-    detour_thought,
-    recovery_thought,
-)
+from sft.expert import failed_compress  # noqa: E402
 
 ROOM = ["cabinet 1", "cabinet 2", "countertop 1", "fridge 1", "sinkbasin 1"]
 
@@ -33,10 +27,10 @@ def test_a_detour_is_never_the_planned_action():
     for seed in range(200):
         rng = random.Random(seed)
         planned = rng.choice([f"go to {r}" for r in ROOM] + ["open fridge 1"])
-        got = choose_detour(rng, ROOM, ["cabinet 1", "fridge 1"], "fridge 1", "open fridge 1", planned)
+        got = detours.choose_detour(rng, ROOM, ["cabinet 1", "fridge 1"], "fridge 1", "open fridge 1", planned)
         assert got is not None
         kind, action = got
-        assert kind in DETOUR_KINDS and action != planned
+        assert kind in detours.DETOUR_KINDS and action != planned
         if kind == "wander":
             assert action.removeprefix("go to ") in {"cabinet 2", "countertop 1", "sinkbasin 1"}
         elif kind == "revisit":
@@ -48,17 +42,17 @@ def test_a_detour_is_never_the_planned_action():
 def test_no_detour_when_nothing_applies():
     rng = random.Random(0)
     # Only one receptacle, the agent is there, and its last action (go to) is not safe to repeat.
-    assert choose_detour(rng, ["fridge 1"], ["fridge 1"], "fridge 1", "go to fridge 1", "open fridge 1") is None
+    assert detours.choose_detour(rng, ["fridge 1"], ["fridge 1"], "fridge 1", "go to fridge 1", "open fridge 1") is None
     # The only option is the plan itself.
-    assert choose_detour(rng, ["fridge 1", "cabinet 1"], [], "fridge 1", "look", "go to cabinet 1") is None
+    assert detours.choose_detour(rng, ["fridge 1", "cabinet 1"], [], "fridge 1", "look", "go to cabinet 1") is None
 
 
 def test_detours_are_deterministic_per_game_and_step():
-    a = [detour_rng(0, "train/x/trial_1", 5).random() for _ in range(2)]
+    a = [detours.detour_rng(0, "train/x/trial_1", 5).random() for _ in range(2)]
     assert a[0] == a[1]
-    assert detour_rng(0, "train/x/trial_1", 6).random() != a[0]
-    assert detour_rng(1, "train/x/trial_1", 5).random() != a[0]
-    assert "cabinet 2" in detour_thought("wander", "go to cabinet 2")
+    assert detours.detour_rng(0, "train/x/trial_1", 6).random() != a[0]
+    assert detours.detour_rng(1, "train/x/trial_1", 5).random() != a[0]
+    assert "cabinet 2" in detours.detour_thought("wander", "go to cabinet 2")
 
 
 LOOK = ("You are in the middle of a room. Looking quickly around you, you see a shelf 3, a shelf 2, "
@@ -82,17 +76,35 @@ def compress_with(arguments, smol_tokenizer):
 def test_a_broken_compression_is_rejected_by_the_real_tool_and_the_correct_one_is_not(smol_tokenizer):
     seen = set()
     for seed in range(40):
-        kind, broken = break_compress(random.Random(seed), GOOD, LOOK)
+        kind, broken = detours.break_compress(random.Random(seed), GOOD, LOOK)
         seen.add(kind)
         outcome, store = compress_with(broken, smol_tokenizer)
         assert outcome.error and not outcome.compressed and len(store) == 0, (kind, broken)
-        assert recovery_thought(outcome.error) != recovery_thought("something else")  # names the mistake
-    assert seen == set(BROKEN_COMPRESS_KINDS)
+        assert detours.recovery_thought(outcome.error) != detours.recovery_thought("something else")  # names the mistake
+    assert seen == set(detours.BROKEN_COMPRESS_KINDS)
     assert GOOD["db_blocks"][0]["end_anchor"] == "shelf 1." and len(GOOD["db_blocks"]) == 2  # not changed
     outcome, store = compress_with(GOOD, smol_tokenizer)
     assert outcome.compressed and store.read("room").content == LOOK
     # Nothing to break: no blocks at all.
-    assert break_compress(random.Random(0), {"summary": "s", "db_blocks": []}, LOOK) is None
+    assert detours.break_compress(random.Random(0), {"summary": "s", "db_blocks": []}, LOOK) is None
+
+
+def test_a_malformed_compression_is_a_format_error_and_its_answer_is_shorter(smol_tokenizer):
+    text = "Time to compress.\n<tool_call>" + json.dumps({"name": COMPRESS, "arguments": GOOD}) + "</tool_call>"
+    seen = set()
+    for seed in range(30):
+        kind, bad = detours.malform_call(random.Random(seed), text)
+        seen.add(kind)
+        parsed = parse_tool_call(bad)
+        assert parsed.format_error and bad != text, (kind, bad)
+        assert ("unclosed" in parsed.error) == (kind == "cut")
+        assert detours.recovery_thought(parsed.error) not in (detours.recovery_thought("anchors not found"), detours.recovery_thought("x"))
+    assert seen == set(detours.MALFORMED_CALL_KINDS)
+    # A brace inside a string is never the one left out: the result must still fail to parse.
+    braces = "x\n<tool_call>" + json.dumps({"name": COMPRESS, "arguments": {"summary": "}}}", "db_blocks": []}}) + "</tool_call>"
+    for seed in range(10):
+        assert parse_tool_call(detours.malform_call(random.Random(seed), braces)[1]).format_error
+    assert detours.malform_call(random.Random(0), "no call here") is None
 
 
 # ----------------------------------------------------------------------------- real games
@@ -107,10 +119,10 @@ def detoured(alfworld_data, smol_tokenizer):
 
 
 def is_detour(step) -> bool:
-    if step.tool == COMPRESS and step.error:  # a rejected compression: untrained too
+    if failed_compress(step):  # a rejected or malformed compression: untrained too
         return True
     action = (step.arguments or {}).get("action", "")
-    return any(step.assistant.startswith(detour_thought(kind, action)) for kind in DETOUR_KINDS)
+    return any(step.assistant.startswith(detours.detour_thought(kind, action)) for kind in detours.DETOUR_KINDS)
 
 
 def trained_texts(traj, tokenizer) -> list[str]:
@@ -143,8 +155,8 @@ def test_demos_with_detours_still_win_and_replay(detoured, smol_tokenizer):
     won = [t for t in trajs if t.success]
     assert len(won) >= 4
     assert any(any(is_detour(s) for s in t.steps) for t in won)
-    for t in won:
-        assert t.stats["num_format_errors"] == 0
+    for t in won:  # the only format errors are the untrained malformed compressions
+        assert all(not s.format_error or is_detour(s) for s in t.steps)
         out = replay(t.game, [s.assistant for s in t.steps], cfg, smol_tokenizer)
         assert out["success"] is True and out["experience"] == t.experience
 
@@ -167,9 +179,15 @@ def test_detours_lead_to_compressions_under_the_warning(detoured):
 @pytest.mark.slow
 def test_each_rejected_compression_is_answered_by_a_trained_correct_one(detoured):
     _, trajs, engine = detoured
-    rejected = [(t, i) for t in trajs for i, s in enumerate(t.steps) if s.tool == COMPRESS and s.error]
-    assert len(rejected) == sum(engine.detours[k] for k in BROKEN_COMPRESS_KINDS) > 0
+    rejected = [(t, i) for t in trajs for i, s in enumerate(t.steps) if failed_compress(s)]
+    assert len(rejected) == sum(engine.detours[k] for k in detours.BROKEN_COMPRESS_KINDS + detours.MALFORMED_CALL_KINDS)
+    assert sum(engine.detours[k] for k in detours.BROKEN_COMPRESS_KINDS) > 0
+    assert sum(engine.detours[k] for k in detours.MALFORMED_CALL_KINDS) > 0
     for t, i in rejected:
         answer = t.steps[i + 1]
         assert answer.tool == COMPRESS and answer.compressed and answer.error is None
-        assert answer.assistant.startswith(recovery_thought(t.steps[i].error)) or "rejected" not in answer.assistant
+        assert answer.assistant.startswith(detours.recovery_thought(t.steps[i].error)) or "rejected" not in answer.assistant
+        failed = t.steps[i].assistant
+        if t.steps[i].format_error and failed.endswith("</tool_call>"):  # unmatched brackets, not cut
+            call = answer.assistant[answer.assistant.index("<tool_call>"):]
+            assert len(call) <= len(failed[failed.index("<tool_call>"):]) + 1  # the shortest call, never longer

@@ -26,7 +26,8 @@ from memexrl.config import load_config  # noqa: E402
 from memexrl.memory.parsing import COMPRESS, EXECUTE_ACTION, READ  # noqa: E402
 from memexrl.memory.store import InMemoryStore  # noqa: E402
 from sft.demos import run_expert  # noqa: E402
-from sft.expert import action_names, anchor_block, mentions, seen_items  # noqa: E402
+from sft.expert import anchor_block
+from sft.world import action_names, mentions, seen_items  # noqa: E402
 
 LOOK_TWICE_GAME = "valid_seen:33"  # the handcoded expert plans `look` again mid-episode here
 PICK_TWO_GAME = "valid_seen:123"  # pick_two_obj: won in 9 steps once the expert hears its puts
