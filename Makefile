@@ -1,4 +1,4 @@
-# MemexRL: `make test` (and, with a later issue, `make demo`). Each target creates .venv and
+# MemexRL: `make demo` (the whole pipeline at small scale) and `make test`. Each target creates .venv and
 # installs first; a second run reinstalls nothing (the stamp file is newer than pyproject.toml).
 PYTHON ?= python3
 VENV := .venv
@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM ?= false
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install data test lint clean test-vllm
+.PHONY: install data demo test lint clean test-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ $(DATA)/.ready: $(STAMP)
 	touch $@
 
 data: $(DATA)/.ready
+
+# `make demo DEMO_ARGS=--quick` for a first look; interrupted, it resumes at the stage it was in.
+demo: install data
+	ALFWORLD_DATA=$(abspath $(DATA)) $(BIN)/memexrl demo $(DEMO_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

@@ -171,6 +171,19 @@ def cmd_plot(args: argparse.Namespace) -> None:
         print(path)
 
 
+# --- demo ---------------------------------------------------------------------------------------
+def cmd_demo(args: argparse.Namespace) -> None:
+    from memexrl.config import load_config
+    from memexrl.demo import QUICK_OVERRIDES, run_demo
+
+    overrides = [*(QUICK_OVERRIDES if args.quick else []), *args.overrides]
+    if args.out:
+        overrides.append(f"demo.output_dir={args.out}")
+    cfg = load_config(args.config, overrides)
+    report = run_demo(cfg, restart=args.restart)
+    print(f"demo done: {report}")
+
+
 # --- parser -------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memexrl", description=__doc__.splitlines()[0])
@@ -261,6 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
     plo = sub.add_parser("plot", help="PNG curves of a run's metrics.jsonl, written to RUN_DIR/plots/")
     plo.add_argument("run_dir", help="run directory holding metrics.jsonl (e.g. runs/sft)")
     plo.set_defaults(func=cmd_plot)
+
+    dem = sub.add_parser("demo", help="the whole pipeline at small scale, resumable: expert, SFT, GRPO, evals, report")
+    dem.add_argument("--config", default="configs/demo.yaml", help="YAML config (its demo section sizes the stages)")
+    dem.add_argument("--out", default=None, help="output directory (demo.output_dir, default runs/demo)")
+    dem.add_argument("--quick", action="store_true", help="the smallest sizes: a first look in a few minutes")
+    dem.add_argument("--restart", action="store_true", help="remove the output directory and start over")
+    dem.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
+    dem.set_defaults(func=cmd_demo)
 
     qua = sub.add_parser("quantize", help="INT4 W4A16 (RTN, symmetric, grouped) checkpoint that vLLM loads")
     qua.add_argument("--model", required=True, help="HF checkpoint directory (config.json + *.safetensors)")

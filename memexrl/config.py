@@ -262,6 +262,23 @@ class EvalSection:
 
 
 @dataclass
+class DemoSection:
+    """`memexrl demo` (memexrl/demo.py): the sizes of its stages; the models, memory and trainer settings
+    come from the other sections (configs/demo.yaml)."""
+
+    output_dir: str = _help("Where the demo's stages and report.md go.", "runs/demo")
+    expert_split: str = _help("Split of the expert's demonstration games.", "train")
+    expert_games: int = _help("Games the Memex expert plays (its wins are the SFT demonstrations).", 16)
+    eval_split: str = _help("Held-out split of the ALFWorld evaluation.", "valid_unseen")
+    eval_games: int = _help("Held-out games per evaluation (stratified by task type).", 3)
+    eval_agents: str = _help("Comma-separated agents evaluated with the SFT and GRPO checkpoints.", "memex,truncate")
+    lme_trajectories: int = _help("Trajectories in the synthetic LME-V2 small haystack.", 10)
+    lme_questions_per_type: int = _help("Synthetic LME-V2 questions per question type (7 types).", 1)
+    lme_memories: str = _help("Comma-separated LME-V2 memory modules (memex: the GRPO policy as controller).",
+                              "memex,rag")
+
+
+@dataclass
 class Config:
     seed: int = _help("One seed for Python, numpy and torch.", 0)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -273,6 +290,7 @@ class Config:
     sft: SFTSection = field(default_factory=SFTSection)
     train: TrainSection = field(default_factory=TrainSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    demo: DemoSection = field(default_factory=DemoSection)
 
     def __post_init__(self) -> None:
         checks = [
@@ -295,6 +313,7 @@ class Config:
             (0 <= self.expert.detour_rate < 1, "expert.detour_rate must be in [0, 1)"),
             (self.expert.max_detours >= 0, "expert.max_detours must be >= 0"),
             (0 <= self.expert.rejected_compress_rate < 1, "expert.rejected_compress_rate must be in [0, 1)"),
+            (self.demo.expert_games > 0 and self.demo.eval_games > 0, "demo.expert_games and demo.eval_games must be > 0"),
             (self.expert.max_turn_tokens >= 0, "expert.max_turn_tokens must be >= 0 (0 = rollout.max_new_tokens)"),
             (0 <= self.sft.validation_fraction < 1, "sft.validation_fraction must be in [0, 1)"),
             (self.sft.per_device_batch_size > 0, "sft.per_device_batch_size must be > 0"),

@@ -127,6 +127,10 @@ def run_sft(cfg: Config) -> Path:
         metrics = trainer.evaluate()
         with open(run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": trainer.state.global_step, **metrics}) + "\n")
+    if "wandb" in args.report_to:  # close the run: a GRPO run in the same process (memexrl demo) opens its own
+        import wandb
+
+        wandb.finish()
     final = run_dir / "checkpoints" / f"step-{trainer.state.global_step}"
     log.info("SFT done: %d steps, checkpoint %s", trainer.state.global_step, final)
     return final

@@ -93,3 +93,13 @@ def test_data_command_with_missing_archive(tmp_path):
 def test_data_command_is_idempotent(alfworld_data):
     result = memexrl("data", "alfworld", "--dest", str(alfworld_data))
     assert result.returncode == 0 and f"ALFWORLD_DATA={alfworld_data}" in result.stdout
+
+
+def test_demo_with_a_changed_config_is_one_clear_error(alfworld_data, tmp_path):
+    out = tmp_path / "demo"
+    first = memexrl("demo", "--out", str(out), f"env.data_dir={alfworld_data}", "demo.expert_games=0")
+    assert_one_line_error(first, "demo.expert_games")
+    out.mkdir()
+    (out / "config.yaml").write_text("demo:\n  eval_games: 9\n")
+    second = memexrl("demo", "--out", str(out), f"env.data_dir={alfworld_data}")
+    assert_one_line_error(second, "--restart")

@@ -34,6 +34,8 @@ import logging
 import sqlite3
 from pathlib import Path
 
+from tqdm import tqdm
+
 from envs.pool import EnvResult
 from eval.lme.memory.base import Memory, MemoryOptions, register
 from eval.lme.records import render_state
@@ -138,16 +140,20 @@ class MemexMemory(Memory):
         engine batches them: rollout.batch_size), each env answer from its own pager."""
         engine, _ = self._engine_and_renderer()
         active = list(games)
-        while active:
-            requests = [GenerationRequest(ep.id, ep.request_ids(), ep.max_new_tokens(), state=ep) for ep, _ in active]
-            for (episode, pager), completion in zip(active, engine.generate(requests)):
-                action = episode.on_completion(completion)
-                if action is not None:
-                    episode.on_env_result(pager.step(action))
-            for episode, _ in active:
-                if episode.done:
-                    engine.release(episode.id)
-            active = [g for g in active if not g[0].done]
+        with tqdm(total=len(games), desc="memex reads trajectories", unit="traj", leave=False) as bar:
+            while active:
+                requests = [GenerationRequest(ep.id, ep.request_ids(), ep.max_new_tokens(), state=ep)
+                            for ep, _ in active]
+                for (episode, pager), completion in zip(active, engine.generate(requests)):
+                    action = episode.on_completion(completion)
+                    if action is not None:
+                        episode.on_env_result(pager.step(action))
+                for episode, _ in active:
+                    if episode.done:
+                        engine.release(episode.id)
+                        bar.update()
+                active = [g for g in active if not g[0].done]
+                bar.set_postfix(turn=max((len(ep.traj.steps) for ep, _ in games), default=0))
 
     def _episode(self, spec: AgentSpec, store, max_steps: int, first: EnvResult, tag: str) -> Episode:
         _, renderers = self._engine_and_renderer()

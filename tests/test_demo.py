@@ -1,0 +1,68 @@
+"""`memexrl demo` (memexrl/demo.py): stages resume after an interrupt, never from half-written output."""
+
+import json
+
+import pytest
+
+from memexrl.config import load_config
+from memexrl.demo import DONE_FILE, QUICK_OVERRIDES, Demo, check_same_config, run_demo
+from memexrl.demo_report import table
+from memexrl.errors import MemexError
+
+
+def test_an_interrupted_stage_starts_again_from_a_clean_directory(tmp_path):
+    demo = Demo(load_config("configs/demo.yaml", []), tmp_path)
+    calls = []
+
+    def interrupted(d, where):
+        (where / "half-written.jsonl").write_text("{")
+        raise KeyboardInterrupt  # Ctrl-C in the middle of the stage
+
+    with pytest.raises(KeyboardInterrupt):
+        demo.run_stage("expert", interrupted)
+    assert demo.done("expert") is None and not (tmp_path / "expert" / DONE_FILE).exists()
+
+    def finished(d, where):
+        calls.append(sorted(p.name for p in where.iterdir()))  # what the stage found when it started
+        (where / "demos.jsonl").write_text("{}\n")
+        return {"n_games": 2}
+
+    summary = demo.run_stage("expert", finished)
+    assert calls == [[]]  # the half-written file was removed first
+    assert summary["n_games"] == 2 and summary["seconds"] >= 0
+    assert json.loads((tmp_path / "expert" / DONE_FILE).read_text()) == summary
+    # Done: a second run skips the stage (its body is not called) and returns the saved summary.
+    assert demo.run_stage("expert", finished) == summary and len(calls) == 1
+
+
+def test_a_demo_made_with_another_config_is_not_mixed_with_the_new_one(tmp_path, alfworld_data):
+    out = tmp_path / "demo"
+    base = [f"env.data_dir={alfworld_data}", f"demo.output_dir={out}"]
+    cfg = load_config("configs/demo.yaml", base)
+    out.mkdir()
+    cfg.save(out / "config.yaml")
+    check_same_config(cfg, out)  # the same config: fine
+    other = load_config("configs/demo.yaml", [*base, "demo.eval_games=5"])
+    with pytest.raises(MemexError, match=r"demo.eval_games: 3 then, 5 now.*--restart"):
+        check_same_config(other, out)
+    with pytest.raises(MemexError, match="--restart"):
+        run_demo(other)
+    assert (out / "config.yaml").is_file()  # nothing was removed without --restart
+
+
+def test_quick_overrides_are_a_valid_smaller_config():
+    full, quick = load_config("configs/demo.yaml", []), load_config("configs/demo.yaml", QUICK_OVERRIDES)
+    assert quick.demo.output_dir != full.demo.output_dir  # a quick look never blocks the full demo's resume
+    assert quick.demo.expert_games < full.demo.expert_games and quick.train.steps <= full.train.steps
+    assert quick.sft.max_steps < full.sft.max_steps and quick.demo.eval_games <= full.demo.eval_games
+
+
+def test_missing_data_stops_before_anything_runs(tmp_path):
+    cfg = load_config("configs/demo.yaml", [f"env.data_dir={tmp_path / 'nowhere'}", f"demo.output_dir={tmp_path / 'd'}"])
+    with pytest.raises(MemexError, match="memexrl data alfworld"):
+        run_demo(cfg)
+    assert not (tmp_path / "d").exists()
+
+
+def test_report_tables_are_markdown():
+    assert table(["a", "b"], [[1, "x"]]) == "| a | b |\n|---|---|\n| 1 | x |\n"
