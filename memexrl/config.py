@@ -272,8 +272,10 @@ class DemoSection:
     eval_split: str = _help("Held-out split of the ALFWorld evaluation.", "valid_unseen")
     eval_games: int = _help("Held-out games per evaluation (stratified by task type).", 3)
     eval_agents: str = _help("Comma-separated agents evaluated with the SFT and GRPO checkpoints.", "memex,truncate")
+    eval_max_steps: int = _help("Step limit of the held-out episodes (0: env.max_steps; release: 50).", 0)
     lme_trajectories: int = _help("Trajectories in the synthetic LME-V2 small haystack.", 10)
     lme_questions_per_type: int = _help("Synthetic LME-V2 questions per question type (7 types).", 1)
+    lme_questions: int = _help("Questions asked of each LME-V2 memory (the first N; 0: all).", 0)
     lme_memories: str = _help("Comma-separated LME-V2 memory modules (memex: the GRPO policy as controller).",
                               "memex,rag")
 
@@ -314,6 +316,7 @@ class Config:
             (self.expert.max_detours >= 0, "expert.max_detours must be >= 0"),
             (0 <= self.expert.rejected_compress_rate < 1, "expert.rejected_compress_rate must be in [0, 1)"),
             (self.demo.expert_games > 0 and self.demo.eval_games > 0, "demo.expert_games and demo.eval_games must be > 0"),
+            (self.demo.eval_max_steps >= 0, "demo.eval_max_steps must be >= 0 (0 = env.max_steps)"),
             (self.expert.max_turn_tokens >= 0, "expert.max_turn_tokens must be >= 0 (0 = rollout.max_new_tokens)"),
             (0 <= self.sft.validation_fraction < 1, "sft.validation_fraction must be in [0, 1)"),
             (self.sft.per_device_batch_size > 0, "sft.per_device_batch_size must be > 0"),

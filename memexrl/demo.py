@@ -37,9 +37,10 @@ DONE_FILE = "DONE.json"
 STAGES = ("expert", "sft", "grpo", "eval", "lme", "report")
 # `memexrl demo --quick`: a first look in a few minutes (every stage runs, on the fewest games and steps).
 QUICK_OVERRIDES = [
-    "demo.output_dir=runs/demo-quick", "demo.expert_games=6", "demo.eval_games=2", "demo.eval_agents=memex", "demo.lme_trajectories=8",
-    "demo.lme_memories=memex,rag", "sft.max_steps=2", "train.steps=1", "train.group_size=2",
-    "train.global_batch_size=2", "train.max_episode_steps=4", "env.max_steps=8",
+    "demo.output_dir=runs/demo-quick", "demo.expert_games=6", "demo.eval_games=2", "demo.eval_agents=memex",
+    "demo.eval_max_steps=6", "demo.lme_trajectories=8", "demo.lme_questions=2", "demo.lme_memories=memex,rag",
+    "sft.max_steps=2", "train.steps=1", "train.group_size=2", "train.global_batch_size=2",
+    "train.max_episode_steps=4", "rollout.max_new_tokens=96",
 ]
 
 
@@ -140,6 +141,7 @@ def stage_eval(demo: Demo, where: Path) -> dict:
             e.checkpoint, e.agent, e.split, e.games = str(demo.dir(policy)), agent, d.eval_split, d.eval_games
             e.output_dir, e.wandb = str(where / f"{policy}-{agent}"), False
             e.insights_from = str(demo.dir("expert") / "demos.jsonl")
+            cfg.env.max_steps = d.eval_max_steps or cfg.env.max_steps
             r = evaluate(cfg)
             results[f"{policy}-{agent}"] = {k: r[k] for k in (
                 "n_games", "success_rate", "peak_working_tokens_mean", "num_compress_mean", "num_read_mean",
@@ -167,7 +169,7 @@ def stage_lme(demo: Demo, where: Path) -> dict:
         extra = {"config": demo.cfg, "checkpoint": str(demo.dir("grpo"))} if memory == "memex" else {}
         options = MemoryOptions(root=data, llm=reader, controller=reader, extra=extra)
         run = LMERun(data, "small", memory, where / memory, reader, reader, ContextCounter(reader.tokenizer),
-                     options=options)
+                     questions=d.lme_questions, options=options)
         r = run_lme_eval(run)
         results[memory] = {"accuracy": r["overall"]["overall_full_set"], "questions": r["overall"]["count_all_questions"],
                            "latency_mean_s": r["memory_query"]["avg_seconds"],
@@ -214,7 +216,8 @@ def check_same_config(cfg: Config, out: Path) -> None:
     if not saved_path.is_file():
         return
     saved, now = flat(yaml.safe_load(saved_path.read_text()) or {}), flat(cfg.to_dict())
-    changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+    defaults = flat(Config().to_dict())  # a key added to the code since then counts as its default
+    changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k, defaults.get(k)) != now.get(k))
     if changed:
         k = changed[0]
         raise MemexError(f"{out} holds a demo made with another config ({k}: {saved.get(k)!r} then, {now.get(k)!r} "

@@ -181,8 +181,7 @@ def run_lme_eval(run: LMERun) -> dict:
                 memory.close()
     result = aggregate([rows[q.id] for q in questions])
     result["memory"] = run.memory
-    checked = [evidence_in_context(rows[q.id], planted.get(q.id, [])) for q in questions]
-    checked = [c for c in checked if c is not None]
+    checked = [c for c in (rows[q.id].get("evidence_in_context") for q in questions) if c is not None]
     if checked:  # synthetic data only (see the module docstring)
         result["evidence_recall"] = sum(checked) / len(checked)
     (run.out / AGGREGATED_FILE).write_text(json.dumps(result, indent=2) + "\n")
