@@ -30,6 +30,7 @@ from pathlib import Path
 
 from memexrl.config import Config
 from memexrl.errors import MemexError
+from memexrl.plot import read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def stage_sft(demo: Demo, where: Path) -> dict:
     cfg.sft.demos = str(demo.dir("expert") / "demos.jsonl")
     cfg.sft.output_dir = str(where)
     checkpoint = run_sft(cfg)
-    records = read_records(where / "metrics.jsonl")
+    records = read_metrics(where / "metrics.jsonl")
     losses = [r["loss"] for r in records if "loss" in r]
     final = next((r for r in reversed(records) if "eval_loss" in r), {})
     return {"checkpoint": str(checkpoint), "first_loss": losses[0] if losses else None,
@@ -126,7 +127,7 @@ def stage_grpo(demo: Demo, where: Path) -> dict:
     checkpoint = train(cfg)
     keys = ("step", "success_rate", "reward_mean", "peak_working_tokens", "num_compress", "num_read", "loss")
     return {"checkpoint": str(checkpoint),
-            "steps": [{k: r.get(k) for k in keys} for r in read_records(where / "metrics.jsonl") if "reward_mean" in r]}
+            "steps": [{k: r.get(k) for k in keys} for r in read_metrics(where / "metrics.jsonl") if "reward_mean" in r]}
 
 
 def stage_eval(demo: Demo, where: Path) -> dict:
@@ -188,13 +189,6 @@ STAGE_BODIES: dict[str, Callable[[Demo, Path], dict]] = {
     "expert": stage_expert, "sft": stage_sft, "grpo": stage_grpo, "eval": stage_eval, "lme": stage_lme,
     "report": stage_report,
 }
-
-
-def read_records(path: Path) -> list[dict]:
-    """The JSON lines of a metrics.jsonl (none when it is missing)."""
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def flat(tree: dict, prefix: str = "") -> dict:

@@ -185,13 +185,11 @@ class MemexExpertEngine(ScriptedEngine):
         call = self._compress(ep, notes, targets, action, budget, shortest=last.format_error)
         if call is None:
             return None
-        thoughts, arguments = call
+        thoughts, arguments, text = call
         if failed_compress(last):
-            return self._fit([recovery_thought(last.error or ""), ""], COMPRESS, arguments, budget) or self._fit(
-                *call, budget)
-        text = self._fit(thoughts, COMPRESS, arguments, budget)
+            return self._fit([recovery_thought(last.error or ""), ""], COMPRESS, arguments, budget) or text
         rng = detour_rng(self.seed, game_id(ep.traj.game), len(ep.traj.steps))
-        if text and self.rejected_compress_rate > 0 and rng.random() < self.rejected_compress_rate:
+        if self.rejected_compress_rate > 0 and rng.random() < self.rejected_compress_rate:
             if rng.random() < 0.5:  # rejected by the tool
                 broken = break_compress(rng, arguments, ep.context.working_text())
                 wrong = broken and (broken[0], self._fit(thoughts, COMPRESS, broken[1], budget))
@@ -204,8 +202,8 @@ class MemexExpertEngine(ScriptedEngine):
         return text
 
     def _compress(self, ep, notes: WorldNotes, targets: Targets, action: str, budget: int, shortest: bool = False):
-        """(thoughts, arguments) of a CompressExperience, at the most detail that fits the token budget
-        (None if none fits); at the least detail if `shortest`.
+        """(thoughts, arguments, text) of a CompressExperience, at the most detail that fits the token
+        budget (None if none fits); at the least detail if `shortest`. `text` is the turn as `_fit` wrote it.
 
         When a name of the planned `action` would be in neither the summary nor a block afterwards
         (a small budget dropped its block), the summary says the next action exactly.
@@ -232,8 +230,9 @@ class MemexExpertEngine(ScriptedEngine):
                 summary = summary.replace("\nIndex map:", f" Next action: {action}.\nIndex map:", 1)
             thoughts = [why, "Time to compress."] if detail == 2 else ["Time to compress."]
             arguments = {"summary": summary, "db_blocks": blocks}
-            if self._fit(thoughts, COMPRESS, arguments, budget) is not None:
-                return thoughts, arguments
+            text = self._fit(thoughts, COMPRESS, arguments, budget)
+            if text is not None:
+                return thoughts, arguments, text
         return None
 
     def _fit(self, thoughts: list[str], name: str, arguments: dict, budget: int) -> str | None:
