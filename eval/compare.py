@@ -40,10 +40,15 @@ def row(result: dict) -> list[str]:
             f"{result.get('reward_mean', 0):.3f}"]
 
 
-def markdown_table(results: list[dict]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(row(r)) + " |" for r in results]
+def table(header, rows) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in cells) + " |" for cells in rows]
     return "\n".join(lines) + "\n"
+
+
+def markdown_table(results: list[dict]) -> str:
+    return table(COLUMNS, [row(r) for r in results])
 
 
 def plot(results: list[dict], path: Path) -> None:

@@ -11,6 +11,8 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eval.compare import table
+
 if TYPE_CHECKING:  # memexrl/demo.py calls write_report; nothing here imports it at run time
     from memexrl.demo import Demo
 
@@ -25,13 +27,6 @@ def _fmt(value, digits: int = 3) -> str:
 
 def _pct(value) -> str:
     return "–" if value is None else f"{100 * value:.1f} %"
-
-
-def table(header: list[str], rows: list[list]) -> str:
-    """A markdown table."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
 
 
 def commit() -> str:

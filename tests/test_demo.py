@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from eval.compare import table
 from memexrl.config import load_config
 from memexrl.demo import DONE_FILE, QUICK_OVERRIDES, Demo, check_same_config, run_demo
-from memexrl.demo_report import table
 from memexrl.errors import MemexError
 
 
