@@ -22,6 +22,7 @@ from pathlib import Path
 
 from envs.data import ordered_games
 from memexrl.agents import AgentSpec, make_agent
+from memexrl.atomic import write_text_atomic
 from memexrl.config import Config
 from memexrl.errors import MemexError
 from memexrl.trajectory import Trajectory, success_by_task_type
@@ -129,14 +130,8 @@ def evaluate(cfg: Config, progress: bool = True) -> dict:
 
 def write_results(out: Path, result: dict, trajs: list[Trajectory]) -> None:
     """OUT/episodes.jsonl, then OUT/eval_alfworld.json (written last: its presence means a complete run)."""
-    tmp = out / f".{EPISODES_FILE}.tmp"
-    with open(tmp, "w") as f:
-        for t in trajs:
-            f.write(json.dumps(t.to_json()) + "\n")
-    tmp.replace(out / EPISODES_FILE)
-    tmp = out / f".{RESULT_FILE}.tmp"
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(out / RESULT_FILE)
+    write_text_atomic(out / EPISODES_FILE, "".join(json.dumps(t.to_json()) + "\n" for t in trajs))
+    write_text_atomic(out / RESULT_FILE, json.dumps(result, indent=1) + "\n")
 
 
 def log_to_wandb(out: Path, result: dict, trajs: list[Trajectory]) -> None:

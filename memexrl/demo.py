@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from memexrl.atomic import write_text_atomic
 from memexrl.config import Config
 from memexrl.errors import MemexError
 from memexrl.plot import read_metrics
@@ -83,9 +84,7 @@ class Demo:
         where.mkdir(parents=True)
         t0 = time.perf_counter()
         summary = {**body(self, where), "seconds": round(time.perf_counter() - t0, 1)}
-        tmp = where / (DONE_FILE + ".tmp")
-        tmp.write_text(json.dumps(summary, indent=1) + "\n")
-        tmp.rename(where / DONE_FILE)  # atomic: the stage counts as done only now
+        write_text_atomic(where / DONE_FILE, json.dumps(summary, indent=1) + "\n")  # the stage is done only now
         log.info("demo: stage %s done in %.0f s", stage, summary["seconds"])
         return summary
 
@@ -152,6 +151,7 @@ def stage_eval(demo: Demo, where: Path) -> dict:
 
 
 def stage_lme(demo: Demo, where: Path) -> dict:
+    from eval.lme.cli import module_settings
     from eval.lme.harness import LMERun, run_lme_eval
     from eval.lme.llm import READER_SAMPLING, make_chat
     from eval.lme.memory.base import MemoryOptions
@@ -167,9 +167,12 @@ def stage_lme(demo: Demo, where: Path) -> dict:
     reader = make_chat("local", demo.cfg.model.name, {**READER_SAMPLING, "max_tokens": 128}, 128)
     results = {}
     for memory in names(d.lme_memories):
-        extra = {"config": demo.cfg, "checkpoint": str(demo.dir("grpo"))} if memory == "memex" else {}
+        extra = {}
+        if memory == "memex":
+            extra = {**module_settings(names(d.lme_memex_settings), "demo.lme_memex_settings"),
+                     "config": demo.cfg, "checkpoint": str(demo.dir("grpo"))}
         options = MemoryOptions(root=data, llm=reader, controller=reader, extra=extra)
-        run = LMERun(data, "small", memory, where / memory, reader, reader, ContextCounter(reader.tokenizer),
+        run = LMERun(data, "small", memory, where / memory, reader, reader, ContextCounter.text_only(reader.tokenizer),
                      questions=d.lme_questions, options=options)
         r = run_lme_eval(run)
         results[memory] = {"accuracy": r["overall"]["overall_full_set"], "questions": r["overall"]["count_all_questions"],
@@ -222,10 +225,12 @@ def check_same_config(cfg: Config, out: Path) -> None:
 def run_demo(cfg: Config, restart: bool = False) -> Path:
     """Run every stage not yet done (all of them with `restart`); return the path of OUT/report.md."""
     from envs.data import list_games
+    from eval.lme.cli import module_settings
 
     out = Path(cfg.demo.output_dir)
     list_games(cfg.demo.expert_split, cfg.env.data_dir)  # missing data stops here, before anything runs
     list_games(cfg.demo.eval_split, cfg.env.data_dir)
+    module_settings(names(cfg.demo.lme_memex_settings), "demo.lme_memex_settings")  # so does a bad setting
     if restart and out.exists():
         shutil.rmtree(out)
     check_same_config(cfg, out)

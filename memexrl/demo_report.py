@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eval.compare import table
+from memexrl.atomic import write_text_atomic
 
 if TYPE_CHECKING:  # memexrl/demo.py calls write_report; nothing here imports it at run time
     from memexrl.demo import Demo
@@ -109,8 +110,4 @@ def write_report(demo: Demo, where: Path, stages: tuple[str, ...]) -> Path:
         "\nFigures at this scale (a 135M policy, a few steps) show that every stage runs and is measured; "
         "they are not the paper's results.\n",
     ]
-    path = out / "report.md"
-    tmp = out / "report.md.tmp"
-    tmp.write_text("\n".join(parts))
-    tmp.rename(path)
-    return path
+    return write_text_atomic(out / "report.md", "\n".join(parts))

@@ -28,6 +28,7 @@ FIGURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("lr.png", "Learning rate", ("lr",)),
     ("grad_norm.png", "Gradient norm", ("grad_norm",)),
     ("time.png", "Time per step (s)", ("rollout_s", "train_s")),
+    ("tied_groups.png", "Groups whose rewards all tie (dropped)", ("zero_std_group_frac",)),
 )
 
 

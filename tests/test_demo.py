@@ -66,3 +66,10 @@ def test_missing_data_stops_before_anything_runs(tmp_path):
 
 def test_report_tables_are_markdown():
     assert table(["a", "b"], [[1, "x"]]) == "| a | b |\n|---|---|\n| 1 | x |\n"
+
+
+def test_a_bad_memex_setting_stops_before_anything_runs(tmp_path, alfworld_data):
+    cfg = load_config("configs/demo.yaml", [f"demo.output_dir={tmp_path / 'd'}", "demo.lme_memex_settings=max_reads"])
+    with pytest.raises(MemexError, match="demo.lme_memex_settings 'max_reads': use key=value"):
+        run_demo(cfg)
+    assert not (tmp_path / "d").exists()

@@ -35,6 +35,17 @@ def test_truncation_keeps_the_longest_prefix_of_whole_items(smol_tokenizer):
     assert truncate_items(items, counter, max_tokens=3)[0] == []
 
 
+
+def test_a_text_only_reader_counts_an_image_as_the_placeholder_it_is_given(smol_tokenizer):
+    text = {"type": "text", "value": "The store currency is EUR."}
+    image = {"type": "image", "value": "screens/state_3.png"}
+    placeholder = {"type": "text", "value": "\n[image: state_3.png]\n"}
+    assert ContextCounter.text_only(smol_tokenizer).count([text, image]) == ContextCounter(smol_tokenizer).count(
+        [text, placeholder])
+    assert ContextCounter(smol_tokenizer, image_tokens=1024).count([text, image]) == (
+        ContextCounter(smol_tokenizer).count([text]) + 1024)  # a multimodal budget without its processor
+
+
 @pytest.mark.slow
 def test_eval_lme_runs_scores_and_resumes(dataset, tmp_path, capsys):
     out = tmp_path / "rag"
@@ -49,8 +60,13 @@ def test_eval_lme_runs_scores_and_resumes(dataset, tmp_path, capsys):
         assert r["memory_context"] and r["memory_query_duration_seconds"] > 0
         assert r["memory_context_token_count"] <= r["memory_context_original_token_count"]
         assert r["score"] in (0.0, 1.0) and r["response_raw"] is not None
+        # the reader's own usage (not the judge's): its prompt holds the memory context it was given
+        u = r["usage"]
+        assert u["prompt_tokens"] > r["memory_context_token_count"] and 0 < u["completion_tokens"] <= 24
+        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
     aggregated = json.loads((out / AGGREGATED_FILE).read_text())
     assert aggregated["overall"]["count_all_questions"] == 3
+    assert aggregated["tokens"]["prompt_tokens"] == sum(r["usage"]["prompt_tokens"] for r in rows)
     assert aggregated["memory_query"]["avg_seconds"] > 0
     # The synthetic set's planted answers: rag's slices carry them into the context (a diagnostic of ours).
     assert 0 < aggregated["evidence_recall"] <= 1 and all(isinstance(r["evidence_in_context"], bool) for r in rows)

@@ -21,7 +21,7 @@ def grpo_step(step):
         "step": step, "success_rate": 0.1 * step, "reward_mean": 0.2 * step, "penalty_context": -0.01,
         "penalty_redundancy": -0.02, "penalty_format": 0.0, "peak_working_tokens": 900 + step,
         "num_compress": 1.5, "num_read": 0.5, "num_segments": 2, "loss": 0.3 / step, "kl": 0.001 * step,
-        "clip_frac": 0.02, "tis_clip_frac": 0.0, "grad_norm": 1.2, "lr": 1e-6, "rollout_s": 30.0, "train_s": 12.0,
+        "clip_frac": 0.02, "tis_clip_frac": 0.0, "zero_std_group_frac": 0.5, "grad_norm": 1.2, "lr": 1e-6, "rollout_s": 30.0, "train_s": 12.0,
     }
 
 
@@ -48,7 +48,7 @@ def test_grpo_run_writes_its_figures_only(tmp_path):
     written = plot_run(run)
     names = {p.name for p in written}
     assert names == {"success.png", "reward.png", "context.png", "memory.png", "kl.png", "clip.png",
-                     "loss.png", "lr.png", "grad_norm.png", "time.png"}
+                     "loss.png", "lr.png", "grad_norm.png", "time.png", "tied_groups.png"}
     assert all(p.parent == run / "plots" for p in written)
     for path in written:
         assert_png(path)
@@ -99,7 +99,7 @@ def test_cli_plot_prints_written_files(tmp_path, capsys):
     run = write_metrics(tmp_path / "grpo", [grpo_step(1), grpo_step(2)])
     assert main(["plot", str(run)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 10 and str(run / "plots" / "kl.png") in out
+    assert len(out) == 11 and str(run / "plots" / "kl.png") in out
 
 
 def assert_cli_error(capsys, argv, *fragments):

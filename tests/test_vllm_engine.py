@@ -337,3 +337,6 @@ def test_lme_reader_client_against_the_server(server):
     for chat in (reader, judge):
         reply = chat.complete(messages)
         assert isinstance(reply, str)
+        u = chat.last_usage  # the server's usage record: per_question `usage`
+        assert u["prompt_tokens"] > 10 and u["completion_tokens"] <= 8
+        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]

@@ -35,6 +35,21 @@ def cmd_lme_lafs(args: argparse.Namespace) -> None:
     print(lafs_command(args.tier, args.point or [], args.result_dirs))
 
 
+def module_settings(items: list[str], where: str) -> dict:
+    """{key: value} of memory-module settings given as `key=value` items; a value that reads as JSON
+    (numbers, booleans, lists) is parsed, any other is kept as text."""
+    settings: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise MemexError(f"{where} {item!r}: use key=value")
+        try:
+            settings[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[key.strip()] = value
+    return settings
+
+
 def memory_options(args: argparse.Namespace, reader):
     """MemoryOptions from the flags: the notes/controller LLM (default: the reader), the embedder, the
     memex controller's checkpoint and config, `--set key=value` module settings."""
@@ -43,15 +58,7 @@ def memory_options(args: argparse.Namespace, reader):
 
     llm = _chat(args.memory_llm, args.memory_llm_model, {"temperature": 0.0, "max_tokens": 1024, "thinking": False},
                 args.local_max_new_tokens) if args.memory_llm else reader
-    extra: dict = {}
-    for item in args.set or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise MemexError(f"--set {item!r}: use key=value")
-        try:
-            extra[key] = json.loads(value)
-        except json.JSONDecodeError:
-            extra[key] = value
+    extra = module_settings(args.set or [], "--set")
     if args.memory == "memex":
         extra.setdefault("config", load_config(args.config, list(args.overrides)))
         extra.setdefault("checkpoint", args.checkpoint or extra["config"].eval.checkpoint)
@@ -76,7 +83,7 @@ def cmd_eval_lme(args: argparse.Namespace) -> None:
     judge = _chat(args.judge, args.judge_model, JUDGE_SAMPLING, 256)
     counter = None
     if isinstance(reader, LocalChat):
-        counter = ContextCounter(reader.tokenizer)
+        counter = ContextCounter.text_only(reader.tokenizer)
     else:
         counter = ContextCounter.load(args.reader_tokenizer or reader.model)
     out = Path(args.out or f"runs/lme-{args.memory}-{Path(args.haystack).stem}")

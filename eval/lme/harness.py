@@ -98,6 +98,7 @@ def answer_question(run: LMERun, memory: Memory, q: LMEQuestion, index: int, hay
     counter = run.counter or ContextCounter(run.reader.tokenizer)  # type: ignore[attr-defined]
     kept, original, final = truncate_items(items, counter, reader_budget(run))
     reply = run.reader.complete(reader_messages(q.domain, kept, q.question, q.image))
+    reader_usage = dict(getattr(run.reader, "last_usage", None) or {})  # before the judge (maybe the same LLM)
     parsed = extract_boxed(reply)
     name, _ = parse_eval_function(q.eval_function)
     points = score(q.eval_function, q.answer, parsed, question=q.question, reply=reply, judge=run.judge)
@@ -110,7 +111,7 @@ def answer_question(run: LMERun, memory: Memory, q: LMEQuestion, index: int, hay
         "memory_context_token_count": final, "memory_context_was_truncated": final < original,
         "answer_gold": q.answer, "response_raw": reply, "response_parsed_boxed": parsed,
         "is_unknown": is_unknown(parsed), "score": float(points), "score_bool": bool(points),
-        "usage": {}, "timestamp_utc": datetime.now(timezone.utc).isoformat(),
+        "usage": reader_usage, "timestamp_utc": datetime.now(timezone.utc).isoformat(),
     }
 
 

@@ -56,9 +56,18 @@ def as_text(content) -> str:
 
 
 class ChatLLM(Protocol):
-    """Anything that answers a chat: the reader, the judge, note writers, controllers."""
+    """Anything that answers a chat: the reader, the judge, note writers, controllers. `last_usage` is the
+    token usage of the last `complete` ({prompt_tokens, completion_tokens, total_tokens}; {} if unknown)."""
+
+    last_usage: dict
 
     def complete(self, messages: list[dict]) -> str: ...
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """The OpenAI usage record (lme-v2.md per_question `usage`)."""
+    return {"prompt_tokens": int(prompt_tokens), "completion_tokens": int(completion_tokens),
+            "total_tokens": int(prompt_tokens) + int(completion_tokens)}
 
 
 @dataclass
@@ -71,6 +80,7 @@ class OpenAIChat:
     api_key: str = "EMPTY"
     timeout_s: float = 3600.0
     retries: int = 5
+    last_usage: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from openai import OpenAI
@@ -92,6 +102,8 @@ class OpenAIChat:
             try:
                 reply = self.client.chat.completions.create(model=self.model, messages=for_endpoint(messages),
                                                             extra_body=extra, **s)
+                u = reply.usage
+                self.last_usage = usage(u.prompt_tokens, u.completion_tokens) if u is not None else {}
                 message = reply.choices[0].message  # the answer; else (all tokens spent thinking) the reasoning
                 return (message.content or getattr(message, "reasoning_content", None)
                         or getattr(message, "reasoning", None) or "").strip()
@@ -115,6 +127,7 @@ class LocalChat:
         self.model, self.tokenizer = load_policy(ModelConfig(name=resolve_checkpoint(name, "--reader"),
                                                              device=device))
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.last_usage: dict = {}
         window = getattr(self.model.config, "max_position_embeddings", 8192)
         self.max_input_tokens = max_input_tokens or window - max_new_tokens
 
@@ -137,6 +150,7 @@ class LocalChat:
             out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=self.max_new_tokens,
                                       do_sample=sample, temperature=self.temperature if sample else None,
                                       top_p=None, top_k=None, pad_token_id=self.tokenizer.pad_token_id)
+        self.last_usage = usage(len(ids), out.shape[1] - len(ids))
         return self.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).strip()
 
 

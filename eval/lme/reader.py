@@ -92,10 +92,19 @@ def validate_items(items, question_id: str) -> list[dict]:
 
 
 class ContextCounter:
-    """Tokens of a memory context (the user message's items, chat-templated) with the reader's tokenizer."""
+    """Tokens of a memory context (the user message's items, chat-templated) with the reader's tokenizer.
+    An image costs what the reader's processor makes of it, else `image_tokens`; `text_only` counts it as
+    the one-line placeholder a text-only reader (eval/lme/llm.py LocalChat) is given instead."""
 
     def __init__(self, tokenizer, processor=None, image_tokens: int = 1024):
         self.tokenizer, self.processor, self.image_tokens = tokenizer, processor, image_tokens
+        self.images_as_text = False
+
+    @classmethod
+    def text_only(cls, tokenizer) -> ContextCounter:
+        counter = cls(tokenizer, None, 0)
+        counter.images_as_text = True
+        return counter
 
     @classmethod
     def load(cls, name: str, image_tokens: int = 1024) -> ContextCounter:
@@ -121,7 +130,13 @@ class ContextCounter:
             images = [Image.open(i["value"]).convert("RGB") for i in items if i["type"] == "image"]
             text = self.processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False)
             return int(self.processor(text=text, images=images or None, return_tensors="pt")["input_ids"].shape[-1])
-        text = "".join(i["value"] for i in items if i["type"] == "text")
+        if self.images_as_text:
+            from eval.lme.llm import as_text
+
+            text = as_text([{"type": "text", "text": i["value"]} if i["type"] == "text" else
+                            {"type": "image_url", "path": i["value"]} for i in items])
+        else:
+            text = "".join(i["value"] for i in items if i["type"] == "text")
         ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
                                                  return_dict=False)
         return len(ids) + self.image_tokens * sum(i["type"] == "image" for i in items)
