@@ -180,6 +180,9 @@ class TrainSection:
     output_dir: str = _help("Run directory (config.yaml, metrics.jsonl, checkpoints/, plots/, wandb/).", "runs/train")
     split: str = _help("ALFWorld split the tasks are drawn from (release: train, 3553 games).", "train")
     num_games: int = _help("Draw tasks from the first N games of the split (0: all).", 0)
+    game_order: str = _help(
+        "Order of the split before the first num_games are taken: 'sorted' (grouped by task type) or 'mixed' "
+        "(task types in turn: the games `memexrl expert --games N` demonstrated).", "sorted")
     steps: int = _help("Rollout steps (release: 50).", 50)
     tasks_per_step: int = _help("Distinct games per rollout step (release: 32).", 32)
     group_size: int = _help("G: rollouts per game, one GRPO group (release: 8).", 8)

@@ -37,7 +37,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from envs.data import list_games
 from memexrl.batching import (
     advantages_for,
     build_samples,
@@ -55,6 +54,7 @@ from memexrl.train_state import (
     load_checkpoint,
     save_checkpoint,
     staging_dir,
+    task_pool,
     trim_metrics,
 )
 from memexrl.update import pad_id, update_policy
@@ -169,8 +169,7 @@ class Trainer:
                              f"({t.global_batch_size}) must be multiples of the {world} processes")
         checkpoint = find_checkpoint(self.run_dir, resume) if resume else None
         seed_everything(cfg.seed)
-        games = [str(g) for g in list_games(t.split, cfg.env.data_dir)]
-        self.sampler = TaskSampler(games[: t.num_games] if t.num_games else games, cfg.seed)
+        self.sampler = TaskSampler(task_pool(t.split, t.num_games, t.game_order, cfg.env.data_dir), cfg.seed)
         export = self.run_dir / "base" if cfg.rollout.engine == "vllm" and not cfg.rollout.vllm_model else None
         if export is not None and self.accelerator.is_main_process:
             export.mkdir(parents=True, exist_ok=True)

@@ -109,7 +109,10 @@ def run_episodes(
 
     release([ep for ep in episodes.values() if ep.done])  # lost at reset (env crash)
     live = [ep for ep in episodes.values() if not ep.done]
+    turn = 0
     while live:
+        turn += 1
+        bar.set_postfix(turn=turn, playing=len(live), refresh=True)  # a long turn still shows progress
         t0 = time.perf_counter()
         requests = [GenerationRequest(ep.id, ep.request_ids(), ep.max_new_tokens(), ep) for ep in live]
         t1 = time.perf_counter()

@@ -15,6 +15,7 @@ from memexrl.train_state import (
     load_checkpoint,
     newest_checkpoint,
     save_checkpoint,
+    task_pool,
     trim_metrics,
 )
 
@@ -46,6 +47,20 @@ def _optimizer():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
     sched.step()
     return opt, sched
+
+
+def test_task_pool_takes_the_first_games_in_the_chosen_order(alfworld_data):
+    from envs.data import task_type_of
+
+    sorted_pool = task_pool("train", 6, "sorted", alfworld_data)
+    mixed_pool = task_pool("train", 6, "mixed", alfworld_data)
+    assert len({task_type_of(g) for g in sorted_pool}) == 1  # the sorted split starts with one task type
+    assert len({task_type_of(g) for g in mixed_pool}) == 6  # mixed: the six types in turn (the expert's games)
+    everything = task_pool("train", 0, "mixed", alfworld_data)  # 0: the whole split
+    assert len(everything) == 3553 and everything[:6] == mixed_pool
+    assert sorted(everything) == task_pool("train", 0, "sorted", alfworld_data)
+    with pytest.raises(MemexError, match="unknown game order 'shuffled'"):
+        task_pool("train", 6, "shuffled", alfworld_data)
 
 
 def test_checkpoint_round_trip_restores_optimizer_scheduler_and_rng(tmp_path):
