@@ -4,8 +4,9 @@
   bookkeeping, tokenisation, rewards) and in the envs, for Memex episodes of SmolLM2 on real
   ALFWorld games through the transformers engine.
 - `kv_cache_speedup`: the same greedy episodes with the per-episode KV cache and without it
-  (re-prefilling the whole context every turn), side by side in one run; greedy decoding makes
-  the two runs produce the same tokens, which is checked.
+  (re-prefilling the whole context every turn), and with the cache growing by `torch.cat` at every
+  token (transformers' DynamicCache) instead of our per-turn buffers (rollout/kv_buffer.py), side by
+  side in one run; greedy decoding makes the runs produce the same tokens, which is checked.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from rollout.hf_engine import TransformersEngine
 from rollout.runner import RolloutTimes, make_renderer, open_envs, run_episodes
 
 
-def _play(games: list[Path], cfg: Config, model, tokenizer, *, reuse_cache: bool, pool: bool) -> dict:
+def _play(games: list[Path], cfg: Config, model, tokenizer, *, reuse_cache: bool, pool: bool,
+          preallocate: bool = True) -> dict:
     engine = TransformersEngine(
         model, tokenizer, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-        batch_size=cfg.rollout.batch_size, seed=cfg.seed, reuse_cache=reuse_cache,
+        batch_size=cfg.rollout.batch_size, seed=cfg.seed, reuse_cache=reuse_cache, preallocate_cache=preallocate,
     )
     times = RolloutTimes()
     jobs = [(f"g{i}", str(g)) for i, g in enumerate(games)]
@@ -55,9 +57,9 @@ def rollout_overhead(games: list[Path], cfg: Config, model, tokenizer) -> dict:
 
 
 def kv_cache_speedup(games: list[Path], cfg: Config, model, tokenizer) -> dict:
-    runs = {name: _play(games, cfg, model, tokenizer, reuse_cache=reuse, pool=False)
-            for name, reuse in (("kv_cache", True), ("no_cache", False))}
-    same = runs["kv_cache"]["tokens"] == runs["no_cache"]["tokens"]
+    runs = {name: _play(games, cfg, model, tokenizer, reuse_cache=reuse, pool=False, preallocate=pre)
+            for name, reuse, pre in (("kv_cache", True, True), ("no_cache", False, True), ("cat_cache", True, False))}
+    same = runs["kv_cache"]["tokens"] == runs["no_cache"]["tokens"] == runs["cat_cache"]["tokens"]
     out = {
         name: {
             "engine_s": r["times"].engine_s,
@@ -68,6 +70,7 @@ def kv_cache_speedup(games: list[Path], cfg: Config, model, tokenizer) -> dict:
         for name, r in runs.items()
     }
     out["speedup"] = runs["no_cache"]["times"].engine_s / runs["kv_cache"]["times"].engine_s
+    out["buffer_speedup"] = runs["cat_cache"]["times"].engine_s / runs["kv_cache"]["times"].engine_s
     out["identical_tokens"] = same
     return out
 
@@ -84,9 +87,10 @@ def format_rollout_overhead(r: dict) -> str:
 
 def format_kv_cache_speedup(r: dict) -> str:
     rows = [f"{'engine':<10} {'engine s':>9} {'prefill tok':>12} {'gen tok':>8} {'gen tok/s':>10}"]
-    for name in ("kv_cache", "no_cache"):
+    for name in ("kv_cache", "no_cache", "cat_cache"):
         x = r[name]
         rows.append(f"{name:<10} {x['engine_s']:>9.1f} {x['prefill_tokens']:>12} {x['generated_tokens']:>8} "
                     f"{x['generated_tokens_per_s']:>10.1f}")
-    rows.append(f"speedup of the KV cache: {r['speedup']:.2f}x (identical tokens: {r['identical_tokens']})")
+    rows.append(f"speedup of the KV cache: {r['speedup']:.2f}x; of per-turn buffers over a cache grown by "
+                f"torch.cat: {r['buffer_speedup']:.2f}x (identical tokens: {r['identical_tokens']})")
     return "\n".join(rows)

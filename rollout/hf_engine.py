@@ -23,6 +23,7 @@ import torch
 
 from memexrl.agent import Completion
 from rollout.engines import Engine, GenerationRequest
+from rollout.kv_buffer import buffer_cache
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values, each (1, H, L, D)
 
@@ -31,12 +32,6 @@ def _cache_to_tensors(cache) -> KV:
     if hasattr(cache, "layers"):
         return [(layer.keys, layer.values) for layer in cache.layers]
     return list(zip(cache.key_cache, cache.value_cache))  # transformers < 4.56
-
-
-def _tensors_to_cache(kv: KV):
-    from transformers import DynamicCache
-
-    return DynamicCache(ddp_cache_data=kv)
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator) -> torch.Tensor:
@@ -71,12 +66,14 @@ class TransformersEngine(Engine):
         batch_size: int = 16,
         seed: int = 0,
         reuse_cache: bool = True,
+        preallocate_cache: bool = True,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.batch_size = batch_size
         self.reuse_cache = reuse_cache
+        self.preallocate_cache = preallocate_cache  # False: transformers' DynamicCache (grows by torch.cat)
         self.device = next(model.parameters()).device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.eos_ids = {tokenizer.eos_token_id}
@@ -135,10 +132,17 @@ class TransformersEngine(Engine):
             attention[i, C - c : C] = 1
             attention[i, C + N - n :] = 1
             positions[i, N - n :] = torch.arange(c, c + n, device=dev)
-        past = self._batch_cache(reuse, C) if C > 0 else None
         self.prefill_tokens += sum(len(n) for n in new)
 
         limits = [r.max_new_tokens for r in requests]
+        # one buffer per layer for the whole turn (rollout/kv_buffer.py): no copy of the cache per token
+        prefix = self._batch_cache(reuse, C) if C > 0 else None
+        if self.preallocate_cache:
+            past = buffer_cache(C + N + max(0, *limits), prefix)
+        else:
+            from transformers import DynamicCache
+
+            past = DynamicCache(ddp_cache_data=prefix) if prefix else DynamicCache()
         generated: list[list[int]] = [[] for _ in range(B)]
         logprobs: list[list[float]] = [[] for _ in range(B)]
         finished = [lim <= 0 for lim in limits]
@@ -176,7 +180,8 @@ class TransformersEngine(Engine):
         self.generated_tokens += sum(len(g) for g in generated)
 
         completions = []
-        kv = _cache_to_tensors(past) if past is not None else None
+        # the cache holds this turn's prompt only if the model ran (a request with no tokens left skips it)
+        kv = _cache_to_tensors(past) if any(limit > 0 for limit in limits) else None
         for i, req in enumerate(requests):
             ids = generated[i]
             if kv is not None and self.reuse_cache:
@@ -191,8 +196,8 @@ class TransformersEngine(Engine):
             completions.append(Completion(text=text, token_ids=ids, logprobs=logprobs[i], finish_reason=reason))
         return completions
 
-    def _batch_cache(self, reuse: list[tuple[int, KV | None]], C: int):
-        """Left-pad each row's cached keys/values to C and stack the rows into one batch cache."""
+    def _batch_cache(self, reuse: list[tuple[int, KV | None]], C: int) -> KV:
+        """Left-pad each row's cached keys/values to C and stack the rows: [(keys, values)] per layer."""
         template = next(kv for _, kv in reuse if kv is not None)
 
         def left_pad(t: torch.Tensor, length: int) -> torch.Tensor:  # (1, H, length, D) -> (1, H, C, D)
@@ -203,4 +208,4 @@ class TransformersEngine(Engine):
             ks = [left_pad(kv[li][0] if kv else k0[:, :, :0], c) for c, kv in reuse]
             vs = [left_pad(kv[li][1] if kv else v0[:, :, :0], c) for c, kv in reuse]
             layers.append((torch.cat(ks, dim=0), torch.cat(vs, dim=0)))  # (B, H, C, D)
-        return _tensors_to_cache(layers)
+        return layers

@@ -128,6 +128,32 @@ def test_batched_cached_greedy_equals_generate(smol_policy):
     for ids, completion in [(p1, first[0]), (p2, first[1]), (p1b, second[0]), (p2, second[1])]:
         assert completion.token_ids == reference(ids, 12)[: len(completion.token_ids)]
     assert json.dumps(first[0].text)  # decodes to text
+    # transformers' own growing cache gives the same tokens and log-probs as our per-turn buffers
+    grown = TransformersEngine(model, tokenizer, temperature=0, batch_size=4, preallocate_cache=False)
+    again = grown.generate([GenerationRequest("a", p1, 12), GenerationRequest("b", p2, 12)])
+    again += grown.generate([GenerationRequest("a", p1b, 12), GenerationRequest("c", p2, 12)])
+    for ours, theirs in zip(first + second, again):
+        assert ours.token_ids == theirs.token_ids
+        assert ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-5)
+
+
+def test_buffer_cache_layer_equals_a_growing_cache_and_grows_past_its_capacity():
+    from transformers.cache_utils import DynamicLayer
+
+    from rollout.kv_buffer import buffer_cache
+
+    torch.manual_seed(0)
+    prefix = [(torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4))]
+    ours, theirs = buffer_cache(8, prefix), DynamicLayer()
+    theirs.update(*prefix[0])
+    for n in (3, 1, 1, 4):  # 5 + 3 + 1 = 9 > 8 already: the buffer grows, twice the size
+        k, v = torch.randn(2, 3, n, 4), torch.randn(2, 3, n, 4)
+        got, want = ours.layers[0].update(k, v), theirs.update(k, v)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert ours.get_seq_length() == 14 and ours.layers[0]._keys.shape[2] >= 14
+    empty = buffer_cache(6)  # no prefix: layers appear as the model writes them
+    empty.update(torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4), 0)
+    assert empty.get_seq_length() == 2 and empty.layers[0]._keys.shape[2] == 6
 
 
 # A compact template in Qwen's shape: tool schemas rendered by the template from `tools=`,
