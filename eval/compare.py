@@ -1,7 +1,7 @@
 """`memexrl eval compare OUT DIR...`: one table and one chart across `eval alfworld` result directories.
 
 Writes OUT/compare.md (a markdown table: agent, checkpoint, games, success, peak working tokens,
-memory-tool use, format errors, reward) and OUT/compare.png (success per run as bars, and success
+memory-tool use, redundant actions, format errors, reward) and OUT/compare.png (success per run as bars, and success
 against mean peak working tokens, the paper's two axes).
 """
 
@@ -14,7 +14,7 @@ from eval.alfworld import RESULT_FILE
 from memexrl.errors import MemexError
 
 COLUMNS = ("run", "agent", "checkpoint", "split", "games", "success %", "peak W (mean)", "peak W (max)",
-           "compress/ep", "read/ep", "format err/ep", "reward")
+           "compress/ep", "read/ep", "redundant/ep", "format err/ep", "reward")
 
 
 def load_result(directory: str | Path) -> dict:
@@ -36,7 +36,8 @@ def row(result: dict) -> list[str]:
     return [result["run"], result["agent"], checkpoint, str(result.get("split", "")), str(result["n_games"]),
             f"{100 * result['success_rate']:.1f}", f"{result['peak_working_tokens_mean']:.0f}",
             str(result.get("peak_working_tokens_max", "-")), f"{result.get('num_compress_mean', 0):.2f}",
-            f"{result.get('num_read_mean', 0):.2f}", f"{result.get('num_format_errors_mean', 0):.2f}",
+            f"{result.get('num_read_mean', 0):.2f}", f"{result.get('num_redundant_mean', 0):.2f}",
+            f"{result.get('num_format_errors_mean', 0):.2f}",
             f"{result.get('reward_mean', 0):.3f}"]
 
 
