@@ -23,9 +23,9 @@ import torch
 
 from memexrl.agent import Completion
 from rollout.engines import Engine, GenerationRequest
-from rollout.kv_buffer import buffer_cache
+from rollout.kv_buffer import KV, buffer_cache
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values, each (1, H, L, D)
+# KV (rollout/kv_buffer.py): per layer keys, values, each (1, H, L, D) for one episode
 
 
 def _cache_to_tensors(cache) -> KV:
