@@ -263,11 +263,27 @@ def resolve_game(spec: str | Path, data_dir: str | Path = "") -> Path:
     return path.resolve()
 
 
-def ordered_games(split: str, data_dir: str = "", order: str = "sorted") -> list[Path]:
+def parse_task_types(csv: str) -> tuple[str, ...]:
+    """Comma-separated ALFWorld task types ('' = all of them), checked against TASK_TYPES."""
+    chosen = tuple(name.strip() for name in csv.split(",") if name.strip())
+    unknown = [name for name in chosen if name not in TASK_TYPES]
+    if unknown:
+        raise MemexError(f"unknown ALFWorld task type(s) {', '.join(unknown)}: use any of {', '.join(TASK_TYPES)}")
+    return chosen
+
+
+def ordered_games(split: str, data_dir: str = "", order: str = "sorted", task_types: str = "") -> list[Path]:
     """The games of a split in a deterministic order: `sorted` (list_games: grouped by task type, so the
     first N of train are all look_at_obj_in_light) or `mixed` (task types taken in turn, each sorted: its
-    first N games are a subset stratified by task type, what `eval alfworld --games N` plays)."""
+    first N games are a subset stratified by task type, what `eval alfworld --games N` plays).
+
+    `task_types` (comma-separated, '' = all) keeps only those types, in the same order: the first N
+    `mixed` games of two types are then the games of those types among the ones `memexrl expert --games M`
+    demonstrated (a curriculum of the short task types, e.g. for the CPU learning run)."""
+    chosen = parse_task_types(task_types)
     games = list_games(split, data_dir)
+    if chosen:
+        games = [game for game in games if task_type_of(game) in chosen]
     if order == "sorted":
         return games
     if order != "mixed":

@@ -57,8 +57,9 @@ def aggregate(trajs: list[Trajectory]) -> dict:
 
 
 def eval_games(cfg: Config) -> list[Path]:
-    """The games: the whole split, or its first eval.games in task-type-stratified order (envs/data.py)."""
-    games = ordered_games(cfg.eval.split, cfg.env.data_dir, "mixed")
+    """The games: the whole split, or its first eval.games in task-type-stratified order (envs/data.py),
+    of eval.task_types only when set."""
+    games = ordered_games(cfg.eval.split, cfg.env.data_dir, "mixed", cfg.eval.task_types)
     return games[: cfg.eval.games] if cfg.eval.games else games
 
 
@@ -120,7 +121,7 @@ def evaluate(cfg: Config, progress: bool = True) -> dict:
         trajs = run_episodes(jobs, engine, envs, make_renderer(tokenizer, cfg, agent), cfg, agent=agent,
                              progress=progress)
     result = {"split": e.split, "agent": e.agent, "checkpoint": checkpoint, "temperature": e.temperature,
-              "max_steps": cfg.env.max_steps, **aggregate(trajs), "seconds": round(time.perf_counter() - start, 1)}
+              **({"task_types": e.task_types} if e.task_types else {}), "max_steps": cfg.env.max_steps, **aggregate(trajs), "seconds": round(time.perf_counter() - start, 1)}
     write_results(out, result, trajs)
     cfg.save(out / "config.yaml")
     if e.wandb:

@@ -124,7 +124,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 # --- eval ---------------------------------------------------------------------------------------
 EVAL_FLAGS = {"checkpoint": "eval.checkpoint", "split": "eval.split", "games": "eval.games", "agent": "eval.agent",
-              "out": "eval.output_dir"}
+              "task_types": "eval.task_types", "out": "eval.output_dir"}
 
 
 def cmd_eval_alfworld(args: argparse.Namespace) -> None:
@@ -246,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     alf_eval.add_argument("--checkpoint", default=None, help="checkpoint dir, run dir or model name (eval.checkpoint)")
     alf_eval.add_argument("--split", default=None, help="train, valid_seen, valid_unseen or valid (eval.split)")
     alf_eval.add_argument("--games", type=int, default=None, help="N games stratified by task type (eval.games)")
+    alf_eval.add_argument("--task-types", default=None, help="comma-separated task types only (eval.task_types)")
     alf_eval.add_argument("--agent", default=None, help="memex, full, truncate, summary or m2 (eval.agent)")
     alf_eval.add_argument("--out", default=None, help="output directory (eval.output_dir)")
     alf_eval.add_argument("overrides", nargs="*", help="config overrides, section.key=value")

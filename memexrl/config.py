@@ -183,6 +183,9 @@ class TrainSection:
     game_order: str = _help(
         "Order of the split before the first num_games are taken: 'sorted' (grouped by task type) or 'mixed' "
         "(task types in turn: the games `memexrl expert --games N` demonstrated).", "sorted")
+    task_types: str = _help(
+        "Train on these ALFWorld task types only (comma-separated, '' = all), e.g. a curriculum of the short "
+        "ones: pick_and_place_simple,look_at_obj_in_light. The paper trains on all six.", "")
     steps: int = _help("Rollout steps (release: 50).", 50)
     tasks_per_step: int = _help("Distinct games per rollout step (release: 32).", 32)
     group_size: int = _help("G: rollouts per game, one GRPO group (release: 8).", 8)
@@ -249,6 +252,8 @@ class EvalSection:
     split: str = _help("train, valid_seen, valid_unseen or valid (= valid_seen + valid_unseen, the release's test set).",
                        "valid")
     games: int = _help("Play N games, a deterministic subset stratified by task type (0: the whole split).", 0)
+    task_types: str = _help("Only games of these task types (comma-separated, '' = all six, the release's test).",
+                            "")
     agent: str = _help("memex, full, truncate, summary or m2 (memexrl/agents.py).", "memex")
     checkpoint: str = _help("Policy: a checkpoint dir (full, LoRA adapter, SFT/GRPO run dir) or model name; '' = model.name.",
                             "")

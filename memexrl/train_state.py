@@ -36,11 +36,12 @@ DEEPSPEED_DIR = "deepspeed"  # the engine's checkpoint (optimizer shards) inside
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def task_pool(split: str, num_games: int, order: str, data_dir: str = "") -> list[str]:
-    """The games GRPO draws its tasks from: the first `num_games` (0: all) of the split in `order`."""
+def task_pool(split: str, num_games: int, order: str, data_dir: str = "", task_types: str = "") -> list[str]:
+    """The games GRPO draws its tasks from: the first `num_games` (0: all) of the split in `order`, of
+    `task_types` only (comma-separated; '' = all)."""
     from envs.data import ordered_games
 
-    games = [str(g) for g in ordered_games(split, data_dir, order)]
+    games = [str(g) for g in ordered_games(split, data_dir, order, task_types)]
     return games[:num_games] if num_games else games
 
 

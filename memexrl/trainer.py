@@ -169,7 +169,7 @@ class Trainer:
                              f"({t.global_batch_size}) must be multiples of the {world} processes")
         checkpoint = find_checkpoint(self.run_dir, resume) if resume else None
         seed_everything(cfg.seed)
-        self.sampler = TaskSampler(task_pool(t.split, t.num_games, t.game_order, cfg.env.data_dir), cfg.seed)
+        self.sampler = TaskSampler(task_pool(t.split, t.num_games, t.game_order, cfg.env.data_dir, t.task_types), cfg.seed)
         export = self.run_dir / "base" if cfg.rollout.engine == "vllm" and not cfg.rollout.vllm_model else None
         if export is not None and self.accelerator.is_main_process:
             export.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,10 @@ def test_stratified_subset_is_deterministic(alfworld_data):
     assert games == eval_games(cfg) and len(games) == 12 and len(set(games)) == 12
     assert {task_type_of(g) for g in games[: len(TASK_TYPES)]} == set(TASK_TYPES)  # every type, in turn
     assert len(eval_games(load_config(None, [f"env.data_dir={alfworld_data}", "eval.split=valid"]))) == 140 + 134
+    two_types = eval_games(load_config(None, [f"env.data_dir={alfworld_data}", "eval.split=valid_unseen",
+                                              "eval.games=6", "eval.task_types=pick_two_obj_and_place,"
+                                              "pick_heat_then_place_in_recep"]))
+    assert [task_type_of(g) for g in two_types] == ["pick_heat_then_place_in_recep", "pick_two_obj_and_place"] * 3
 
 
 def traj(task_type, success, peak, compress=0, read=0, total=0.0):
@@ -108,6 +112,7 @@ def test_cli_writes_results_and_episodes(alfworld_data, tiny_eos_model, tmp_path
     (["--agent", "oracle"], "eval.agent must be one of"),
     (["--agent", "m2"], "needs eval.insights_from"),
     (["--split", "test"], "split"),
+    (["--task-types", "pick_and_boil"], "unknown ALFWorld task type(s) pick_and_boil"),
 ])
 def test_cli_bad_input_exits_2(alfworld_data, tmp_path, capsys, args, fragment):
     code = main(["eval", "alfworld", "--out", str(tmp_path / "o"), *args, f"env.data_dir={alfworld_data}"])

@@ -63,6 +63,20 @@ def test_task_pool_takes_the_first_games_in_the_chosen_order(alfworld_data):
         task_pool("train", 6, "shuffled", alfworld_data)
 
 
+def test_task_pool_of_chosen_task_types_keeps_the_demonstrated_games(alfworld_data):
+    """train.task_types: a curriculum of two types is, in mixed order, those types' games among the first
+    games of the split (the ones `memexrl expert --games N` demonstrated), in the same order."""
+    from envs.data import task_type_of
+
+    types = "pick_and_place_simple,look_at_obj_in_light"
+    pool = task_pool("train", 8, "mixed", alfworld_data, types)
+    assert [task_type_of(g) for g in pool] == ["look_at_obj_in_light", "pick_and_place_simple"] * 4
+    first_twelve = task_pool("train", 12, "mixed", alfworld_data)  # two of each of the six types
+    assert pool[:4] == [g for g in first_twelve if task_type_of(g) in types.split(",")]
+    with pytest.raises(MemexError, match="unknown ALFWorld task type.*pick_and_boil"):
+        task_pool("train", 8, "mixed", alfworld_data, "pick_and_boil")
+
+
 def test_checkpoint_round_trip_restores_optimizer_scheduler_and_rng(tmp_path):
     opt, sched = _optimizer()
     random.seed(5), np.random.seed(5), torch.manual_seed(5)
