@@ -23,7 +23,7 @@ import torch
 
 from memexrl.agent import Completion
 from rollout.engines import Engine, GenerationRequest
-from rollout.kv_buffer import KV, buffer_cache
+from rollout.kv_buffer import KV, buffer_cache, padded_buffer_cache
 
 # KV (rollout/kv_buffer.py): per layer keys, values, each (1, H, L, D) for one episode
 
@@ -100,24 +100,28 @@ class TransformersEngine(Engine):
         self._cache.pop(episode_id, None)
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
-        out: list[Completion] = []
-        for i in range(0, len(requests), self.batch_size):
-            out.extend(self._generate_batch(requests[i : i + self.batch_size]))
-        return out
+        """Completions in the order of `requests`; batches hold prompts of similar length (less padding)."""
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
+        out: list[Completion | None] = [None] * len(requests)
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start : start + self.batch_size]
+            for i, completion in zip(batch, self._generate_batch([requests[i] for i in batch])):
+                out[i] = completion
+        return out  # type: ignore[return-value]
 
-    def _reusable(self, req: GenerationRequest) -> tuple[int, KV | None]:
-        cached = self._cache.get(req.episode_id) if self.reuse_cache else None
+    def _take_reusable(self, req: GenerationRequest) -> tuple[int, KV | None]:
+        """The episode's cached prefix, handed over (removed from the store: the turn stores a new one)."""
+        cached = self._cache.pop(req.episode_id, None) if self.reuse_cache else None
         if cached is None:
             return 0, None
         ids, kv = cached
         if len(ids) < len(req.prompt_ids) and req.prompt_ids[: len(ids)] == ids:
             return len(ids), kv
-        self._cache.pop(req.episode_id, None)  # context rewritten (new segment): start over
-        return 0, None
+        return 0, None  # context rewritten (new segment): start over
 
     @torch.no_grad()
     def _generate_batch(self, requests: list[GenerationRequest]) -> list[Completion]:
-        reuse = [self._reusable(r) for r in requests]
+        reuse = [self._take_reusable(r) for r in requests]
         cached_len = [c for c, _ in reuse]
         new = [r.prompt_ids[c:] for r, c in zip(requests, cached_len)]
         B, C, N = len(requests), max(cached_len), max(len(n) for n in new)
@@ -136,13 +140,15 @@ class TransformersEngine(Engine):
 
         limits = [r.max_new_tokens for r in requests]
         # one buffer per layer for the whole turn (rollout/kv_buffer.py): no copy of the cache per token
-        prefix = self._batch_cache(reuse, C) if C > 0 else None
+        capacity = C + N + max(0, *limits)
         if self.preallocate_cache:
-            past = buffer_cache(C + N + max(0, *limits), prefix)
+            past = padded_buffer_cache(capacity, [kv for _, kv in reuse], cached_len) if C else buffer_cache(capacity)
         else:
             from transformers import DynamicCache
 
+            prefix = self._batch_cache(reuse, C) if C > 0 else None
             past = DynamicCache(ddp_cache_data=prefix) if prefix else DynamicCache()
+        del reuse  # the old caches are in `past` now: the store keeps none of them
         generated: list[list[int]] = [[] for _ in range(B)]
         logprobs: list[list[float]] = [[] for _ in range(B)]
         finished = [lim <= 0 for lim in limits]

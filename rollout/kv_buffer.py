@@ -36,6 +36,13 @@ class BufferLayer(DynamicLayer):
         self.keys, self.values = self._keys[:, :, :0], self._values[:, :, :0]
         self.is_initialized = True
 
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Use (B, H, capacity, D) buffers whose first `length` positions already hold the prefix."""
+        self.device = keys.device
+        self._keys, self._values = keys, values
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+        self.is_initialized = True
+
     def _grow(self, needed: int) -> None:
         size = max(needed, 2 * self._keys.shape[2])
         for name in ("_keys", "_values"):
@@ -64,5 +71,32 @@ def buffer_cache(capacity: int, prefix: KV | None = None) -> Cache:
     for keys, values in prefix:
         layer = BufferLayer(max(capacity, keys.shape[2]))
         layer.update(keys, values)
+        layers.append(layer)
+    return Cache(layers=layers)
+
+
+def padded_buffer_cache(capacity: int, rows: list[KV | None], lengths: list[int]) -> Cache:
+    """A cache of BufferLayers holding each row's cached prefix left-padded to max(lengths) (zeros before it).
+
+    Each row's cache is copied straight into its slot of the turn's buffer, a layer at a time, and the
+    row's tensors of that layer are released (`rows[b][layer] = None`) once copied: the caller hands its
+    caches over, so at most one layer is held twice (stacking the rows first, then copying into buffers,
+    held the whole prefix three times and was what ran a 20-episode CPU evaluation out of memory).
+    """
+    template = next(kv for kv in rows if kv is not None)
+    width = max(lengths)
+    layers = []
+    for li in range(len(template)):
+        k0, v0 = next(kv[li] for kv in rows if kv is not None)
+        batch, heads = len(rows), k0.shape[1]
+        keys = k0.new_empty(batch, heads, max(capacity, width), k0.shape[3])
+        values = v0.new_empty(batch, heads, max(capacity, width), v0.shape[3])
+        keys[:, :, :width].zero_(), values[:, :, :width].zero_()  # pad keys must be finite: a NaN survives the mask
+        for b, (kv, c) in enumerate(zip(rows, lengths)):
+            if kv is not None and c > 0:
+                keys[b, :, width - c : width], values[b, :, width - c : width] = kv[li][0][0], kv[li][1][0]
+                kv[li] = None
+        layer = BufferLayer(keys.shape[2])
+        layer.adopt(keys, values, width)
         layers.append(layer)
     return Cache(layers=layers)

@@ -156,6 +156,24 @@ def test_buffer_cache_layer_equals_a_growing_cache_and_grows_past_its_capacity()
     assert empty.get_seq_length() == 2 and empty.layers[0]._keys.shape[2] == 6
 
 
+def test_padded_buffer_cache_left_pads_each_row_and_takes_the_rows_over():
+    from rollout.kv_buffer import padded_buffer_cache
+
+    torch.manual_seed(0)
+    long_row = [(torch.randn(1, 3, 5, 4), torch.randn(1, 3, 5, 4)) for _ in range(2)]  # two layers
+    short_row = [(torch.randn(1, 3, 2, 4), torch.randn(1, 3, 2, 4)) for _ in range(2)]
+    want = [[t.clone() for t in layer] for layer in long_row], [[t.clone() for t in layer] for layer in short_row]
+    cache = padded_buffer_cache(9, [short_row, None, long_row], [2, 0, 5])
+    for li, layer in enumerate(cache.layers):
+        assert layer.keys.shape == (3, 3, 5, 4) and layer._keys.shape[2] == 9  # prefix 5, room for 4 more
+        assert torch.equal(layer.keys[2], want[0][li][0][0]) and torch.equal(layer.values[2], want[0][li][1][0])
+        assert torch.equal(layer.keys[0, :, 3:], want[1][li][0][0]) and not layer.keys[0, :, :3].any()
+        assert not layer.keys[1].any() and not layer.values[1].any()  # a row without a cache: all padding
+    assert long_row == [None, None] and short_row == [None, None]  # copied in, then released
+    cache.layers[0].update(torch.ones(3, 3, 1, 4), torch.ones(3, 3, 1, 4))
+    assert cache.layers[0].keys.shape[2] == 6
+
+
 # A compact template in Qwen's shape: tool schemas rendered by the template from `tools=`,
 # tool observations sent as a user turn wrapped in <tool_response>.
 QWEN_STYLE_TEMPLATE = (
