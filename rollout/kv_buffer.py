@@ -63,16 +63,9 @@ class BufferLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def buffer_cache(capacity: int, prefix: KV | None = None) -> Cache:
-    """A cache of BufferLayers of `capacity` tokens, holding `prefix` ([(keys, values)] per layer) if given."""
-    if prefix is None:
-        return Cache(layer_class_to_replicate=functools.partial(BufferLayer, capacity))
-    layers = []
-    for keys, values in prefix:
-        layer = BufferLayer(max(capacity, keys.shape[2]))
-        layer.update(keys, values)
-        layers.append(layer)
-    return Cache(layers=layers)
+def buffer_cache(capacity: int) -> Cache:
+    """An empty cache of BufferLayers of `capacity` tokens (a turn with no cached prefix)."""
+    return Cache(layer_class_to_replicate=functools.partial(BufferLayer, capacity))
 
 
 def padded_buffer_cache(capacity: int, rows: list[KV | None], lengths: list[int]) -> Cache:

@@ -140,11 +140,12 @@ def test_batched_cached_greedy_equals_generate(smol_policy):
 def test_buffer_cache_layer_equals_a_growing_cache_and_grows_past_its_capacity():
     from transformers.cache_utils import DynamicLayer
 
-    from rollout.kv_buffer import buffer_cache
+    from rollout.kv_buffer import buffer_cache, padded_buffer_cache
 
     torch.manual_seed(0)
     prefix = [(torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4))]
-    ours, theirs = buffer_cache(8, prefix), DynamicLayer()
+    rows = [[(prefix[0][0][b : b + 1], prefix[0][1][b : b + 1])] for b in range(2)]
+    ours, theirs = padded_buffer_cache(8, rows, [5, 5]), DynamicLayer()
     theirs.update(*prefix[0])
     for n in (3, 1, 1, 4):  # 5 + 3 + 1 = 9 > 8 already: the buffer grows, twice the size
         k, v = torch.randn(2, 3, n, 4), torch.randn(2, 3, n, 4)
