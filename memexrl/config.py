@@ -286,6 +286,9 @@ class DemoSection:
     lme_questions: int = _help("Questions asked of each LME-V2 memory (the first N; 0: all).", 0)
     lme_memories: str = _help("Comma-separated LME-V2 memory modules (memex: the GRPO policy as controller).",
                               "memex,rag")
+    lme_context_tokens: int = _help(
+        "The reader's memory-context budget in tokens (0: lme-v2.md's 200K, or the local reader's window). A "
+        "CPU demo deviation: a 135M reader prefills a 6K-token context in ~30 s a question.", 0)
     lme_memex_settings: str = _help(
         "Comma-separated key=value settings of the memex LME-V2 controller (eval/lme/memory/memex.py, as "
         "`memexrl eval lme --set`), e.g. states_per_chunk=4,max_reads=2.", "")

@@ -40,7 +40,8 @@ STAGES = ("expert", "sft", "grpo", "eval", "lme", "report")
 # `memexrl demo --quick`: a first look in a few minutes (every stage runs, on the fewest games and steps).
 QUICK_OVERRIDES = [
     "demo.output_dir=runs/demo-quick", "demo.expert_games=6", "demo.eval_games=2", "demo.eval_agents=memex",
-    "demo.eval_max_steps=6", "demo.lme_trajectories=8", "demo.lme_questions=2", "demo.lme_memories=memex,rag",
+    "demo.eval_max_steps=6", "demo.lme_trajectories=8", "demo.lme_questions=2", "demo.lme_context_tokens=2000",
+    "demo.lme_memories=memex,rag",
     "sft.max_steps=2", "train.steps=1", "train.group_size=2", "train.global_batch_size=2",
     "train.max_episode_steps=4", "rollout.max_new_tokens=96",
 ]
@@ -152,7 +153,7 @@ def stage_eval(demo: Demo, where: Path) -> dict:
 
 def stage_lme(demo: Demo, where: Path) -> dict:
     from eval.lme.cli import module_settings
-    from eval.lme.harness import LMERun, run_lme_eval
+    from eval.lme.harness import MAX_CONTEXT_TOKENS, LMERun, run_lme_eval
     from eval.lme.llm import READER_SAMPLING, make_chat
     from eval.lme.memory.base import MemoryOptions
     from eval.lme.reader import ContextCounter
@@ -173,7 +174,8 @@ def stage_lme(demo: Demo, where: Path) -> dict:
                      "config": demo.cfg, "checkpoint": str(demo.dir("grpo"))}
         options = MemoryOptions(root=data, llm=reader, controller=reader, extra=extra)
         run = LMERun(data, "small", memory, where / memory, reader, reader, ContextCounter.text_only(reader.tokenizer),
-                     questions=d.lme_questions, options=options)
+                     questions=d.lme_questions, options=options,
+                     max_context_tokens=d.lme_context_tokens or MAX_CONTEXT_TOKENS)
         r = run_lme_eval(run)
         results[memory] = {"accuracy": r["overall"]["overall_full_set"], "questions": r["overall"]["count_all_questions"],
                            "latency_mean_s": r["memory_query"]["avg_seconds"],
