@@ -121,7 +121,8 @@ def evaluate(cfg: Config, progress: bool = True) -> dict:
         trajs = run_episodes(jobs, engine, envs, make_renderer(tokenizer, cfg, agent), cfg, agent=agent,
                              progress=progress)
     result = {"split": e.split, "agent": e.agent, "checkpoint": checkpoint, "temperature": e.temperature,
-              **({"task_types": e.task_types} if e.task_types else {}), "max_steps": cfg.env.max_steps, **aggregate(trajs), "seconds": round(time.perf_counter() - start, 1)}
+              **({"task_types": e.task_types} if e.task_types else {}), "max_steps": cfg.env.max_steps,
+              **aggregate(trajs), "seconds": round(time.perf_counter() - start, 1)}
     write_results(out, result, trajs)
     cfg.save(out / "config.yaml")
     if e.wandb:

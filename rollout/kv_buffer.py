@@ -73,13 +73,14 @@ def padded_buffer_cache(capacity: int, rows: list[KV | None], lengths: list[int]
 
     Each row's cache is copied straight into its slot of the turn's buffer, a layer at a time, and the
     row's tensors of that layer are released (`rows[b][layer] = None`) once copied: the caller hands its
-    caches over, so at most one layer is held twice (stacking the rows first, then copying into buffers,
-    held the whole prefix three times and was what ran a 20-episode CPU evaluation out of memory).
+    caches over, so at most one layer is held twice (keeping the store while stacking the rows and then
+    copying them into buffers held the whole prefix about four times: a 20-episode CPU evaluation ran out
+    of memory).
     """
-    template = next(kv for kv in rows if kv is not None)
+    num_layers = len(next(kv for kv in rows if kv is not None))
     width = max(lengths)
     layers = []
-    for li in range(len(template)):
+    for li in range(num_layers):
         k0, v0 = next(kv[li] for kv in rows if kv is not None)
         batch, heads = len(rows), k0.shape[1]
         keys = k0.new_empty(batch, heads, max(capacity, width), k0.shape[3])
