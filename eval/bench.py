@@ -4,7 +4,8 @@
   rollout time spent outside the model with SmolLM2 playing real games;
 - store: experience-store writes and reads per second, in-memory vs SQLite;
 - rollout: transformers-engine generation with and without the per-episode KV cache;
-- trainer: trained tokens/s of our GRPO update path vs TRL's GRPOTrainer on the same work.
+- trainer: trained tokens/s of our GRPO update path vs TRL's GRPOTrainer on the same work;
+- update: the GRPO update's peak memory with and without its memory measures (eval/bench_update.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ def run(what: str, args: argparse.Namespace) -> str:
             args.config, getattr(args, "overrides", None), runs=args.runs, steps=args.bench_steps,
             prompts=args.prompts, group=args.group, completion_tokens=args.completion_tokens,
         ))
+    if what == "update":
+        from eval.bench_trainer import DEFAULT_CONFIG
+        from eval.bench_update import bench_update, format_bench_update
+
+        overrides = getattr(args, "overrides", None) or []
+        batch = load_config(args.config or DEFAULT_CONFIG, overrides).train.micro_batch_size  # bad config: stop here
+        runs = bench_update(args.config, overrides, tokens=args.segment_tokens, steps=args.bench_steps)
+        return format_bench_update(runs, args.segment_tokens, batch)
     cfg = load_config(args.config, ROLLOUT_BENCH_OVERRIDES)
     games = list_games(args.split, cfg.env.data_dir)[: args.games]
     if what == "env":

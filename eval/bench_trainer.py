@@ -188,7 +188,8 @@ def run_ours(cfg: Config, prompt_texts: list[str], steps: int, completion_tokens
             s.weight = w
             s.old_logprobs = s.rollout_logprobs[1:]  # the engine's: TRL with num_iterations=1 recomputes none
         with policy.reference_context():
-            fill_logprobs(policy.reference_module(), samples, t.micro_batch_size, pad, acc.device, "ref_logprobs")
+            fill_logprobs(policy.reference_module(), samples, t.micro_batch_size, pad, acc.device, "ref_logprobs",
+                          t.head_chunk_size)
         update_policy(model, optimizer, scheduler, acc, [samples], t, tokenizer, policy.trainable_parameters())
         tokens += sum(s.trained_tokens for s in samples)
     seconds = time.perf_counter() - start

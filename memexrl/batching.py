@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 
 from memexrl import grpo
 from memexrl.trajectory import Trajectory
@@ -123,32 +124,64 @@ def collate(samples: list[SegmentSample], pad_id: int, device: torch.device) -> 
     return MicroBatch(put(ids), put(attn), put(mask), put(rollout), put(adv), put(weights), put(old), put(ref))
 
 
-def sequence_logprobs(model, batch: MicroBatch, with_entropy: bool = False):
+def _head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
+    """Output layer + log-softmax for a slice of positions: hidden (B, C, H), targets (B, C) -> (B, C) x 2."""
+    logp_all = torch.log_softmax(head(hidden).float(), dim=-1)  # (B, C, V)
+    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+    return logp, grpo.entropy(logp_all) if with_entropy else torch.zeros_like(logp)
+
+
+def sequence_logprobs(model, batch: MicroBatch, with_entropy: bool = False, head_chunk: int = 0):
     """Log-prob of each next token under `model`: (B, L-1), and its entropy (B, L-1) if asked.
 
     The output layer and the softmax run only from the first trained position on (the shared
-    prompt of a segment is never trained): `logits_to_keep` skips the rest, which saves the
-    (prompt, vocabulary) logits; earlier positions are returned as 0.
+    prompt of a segment is never trained); earlier positions are returned as 0.
+
+    head_chunk > 0 (train.head_chunk_size) runs the output layer over slices of that many
+    positions, each under activation checkpointing, so that the (B, positions, vocabulary)
+    logits, log-softmax and entropy exist for one slice at a time, in the forward and in the
+    backward (which recomputes the slice's head): the role of verl's fused / chunked
+    `logprobs_from_logits`, in plain torch. With a 49K vocabulary these per-token tensors, not
+    the transformer's activations, dominate the update's memory (docs/benchmarks.md). The cost
+    is one more head forward per trained token. The hidden states are the model's own last
+    `hidden_states` (after the final norm), so the forward still goes through the wrapped model
+    (DDP / DeepSpeed hooks run); models that post-process logits (soft-capping, logit scaling)
+    must use head_chunk 0. head_chunk 0: one full-width head via `logits_to_keep`.
     """
     B, L = batch.input_ids.shape
     trained = batch.loss_mask.sum(dim=0).nonzero()
     start = int(trained[0]) if len(trained) else L - 2  # first position (predicting token start+1) to keep
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                   logits_to_keep=L - start).logits[:, :-1]  # (B, L-1-start, V)
-    logp_all = torch.log_softmax(logits.float(), dim=-1)
-    kept = logp_all.gather(-1, batch.input_ids[:, start + 1 :, None]).squeeze(-1)  # (B, L-1-start)
+    targets = batch.input_ids[:, start + 1 :]  # (B, L-1-start)
+    if head_chunk <= 0:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       logits_to_keep=L - start).logits[:, :-1]  # (B, L-1-start, V)
+        logp_all = torch.log_softmax(logits.float(), dim=-1)
+        kept = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+        ent = grpo.entropy(logp_all) if with_entropy else None
+    else:
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=1,
+                    output_hidden_states=True)
+        hidden = out.hidden_states[-1][:, start:-1]  # (B, L-1-start, H)
+        head = model.get_output_embeddings()
+        parts = []
+        for i in range(0, hidden.shape[1], head_chunk):
+            args = (head, hidden[:, i : i + head_chunk], targets[:, i : i + head_chunk], with_entropy)
+            if torch.is_grad_enabled():
+                parts.append(torch.utils.checkpoint.checkpoint(_head_logprobs, *args, use_reentrant=False))
+            else:
+                parts.append(_head_logprobs(*args))
+        kept = torch.cat([p[0] for p in parts], dim=1)
+        ent = torch.cat([p[1] for p in parts], dim=1) if with_entropy else None
     logp = torch.nn.functional.pad(kept, (start, 0))  # (B, L-1)
-    if not with_entropy:
-        return logp, None
-    return logp, torch.nn.functional.pad(grpo.entropy(logp_all), (start, 0))
+    return logp, None if ent is None else torch.nn.functional.pad(ent, (start, 0))
 
 
 @torch.no_grad()
 def fill_logprobs(model, samples: list[SegmentSample], micro_batch_size: int, pad_id: int, device,
-                  field: str) -> None:
+                  field: str, head_chunk: int = 0) -> None:
     """Store the model's per-token log-probs on each sample under `field` (old_logprobs / ref_logprobs)."""
     for start in range(0, len(samples), micro_batch_size):
         chunk = samples[start : start + micro_batch_size]
-        logp, _ = sequence_logprobs(model, collate(chunk, pad_id, device))
+        logp, _ = sequence_logprobs(model, collate(chunk, pad_id, device), head_chunk=head_chunk)
         for i, s in enumerate(chunk):
             setattr(s, field, logp[i, : len(s.input_ids) - 1].cpu().tolist())

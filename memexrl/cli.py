@@ -14,6 +14,7 @@ from pathlib import Path
 from envs.data import DEFAULT_DEST
 from eval.lme.cli import add_lme_commands
 from memexrl.errors import MemexError
+from memexrl.malloc import return_freed_memory
 
 log = logging.getLogger("memexrl")
 
@@ -258,18 +259,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_lme_commands(sub, eva_sub)
 
     ben = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
-    ben.add_argument("what", choices=["env", "store", "rollout", "trainer"], help="what to measure")
+    ben.add_argument("what", choices=["env", "store", "rollout", "trainer", "update"], help="what to measure")
     ben.add_argument("--split", default="valid_seen", help="games for env/rollout benches")
     ben.add_argument("--games", type=int, default=4, help="games for env/rollout benches")
     ben.add_argument("--steps", type=int, default=200, help="env steps per worker count (bench env)")
     ben.add_argument("--blocks", type=int, default=2000, help="blocks written (bench store)")
-    ben.add_argument("--config", default=None, help="YAML config (bench rollout; trainer: configs/tiny-cpu.yaml)")
+    ben.add_argument("--config", default=None, help="YAML config (bench rollout; trainer, update: configs/tiny-cpu.yaml)")
     ben.add_argument("--runs", type=int, default=3, help="timed runs of each side (bench trainer)")
-    ben.add_argument("--bench-steps", type=int, default=2, help="GRPO steps per run (bench trainer)")
+    ben.add_argument("--bench-steps", type=int, default=2, help="GRPO steps per run (bench trainer, update)")
     ben.add_argument("--prompts", type=int, default=2, help="prompts per step (bench trainer)")
     ben.add_argument("--group", type=int, default=4, help="G, completions per prompt (bench trainer)")
     ben.add_argument("--completion-tokens", type=int, default=32, help="tokens per completion (bench trainer)")
-    ben.add_argument("overrides", nargs="*", help="config overrides, section.key=value (bench trainer)")
+    ben.add_argument("--segment-tokens", type=int, default=2000, help="tokens per segment (bench update)")
+    ben.add_argument("overrides", nargs="*", help="config overrides, section.key=value (bench trainer, update)")
     ben.set_defaults(func=cmd_bench)
 
     plo = sub.add_parser("plot", help="PNG curves of a run's metrics.jsonl, written to RUN_DIR/plots/")
@@ -295,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return_freed_memory()  # before any tensor: CPU runs would otherwise grow step by step (memexrl/malloc.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -232,6 +232,12 @@ class TrainSection:
     lora_alpha: int = _help("LoRA alpha.", 32)
     lora_target_modules: str = _help("Comma-separated module names, or 'all-linear'.", "all-linear")
     gradient_checkpointing: bool = _help("Trade compute for memory (long segments on GPUs).", False)
+    head_chunk_size: int = _help(
+        "Positions per slice of the output layer + log-softmax in the update and the old/ref log-probs, "
+        "each slice recomputed in the backward (batching.sequence_logprobs): the (tokens x vocabulary) "
+        "tensors exist one slice at a time. 0: the whole segment at once (models that post-process logits).",
+        512,
+    )
     fake_quant_group_size: int = _help(
         "INT4 fake-quant of the base weights in the trainer's forward (memex.md: INT4 rollouts, QAT "
         "training; straight-through gradients), same RTN group-128 scheme as `memexrl quantize`; 0: off.",

@@ -263,13 +263,14 @@ class Trainer:
         model.eval()
         # Old log-probs: the trainer's, under the weights that generated the rollouts (TIS, PPO ratio).
         if t.recompute_old_logprobs:
-            fill_logprobs(model, every, t.micro_batch_size, pad, acc.device, "old_logprobs")
+            fill_logprobs(model, every, t.micro_batch_size, pad, acc.device, "old_logprobs", t.head_chunk_size)
         else:
             for s in every:
                 s.old_logprobs = s.rollout_logprobs[1:]
         if t.kl_coef > 0:
             with policy.reference_context():
-                fill_logprobs(policy.reference_module(), every, t.micro_batch_size, pad, acc.device, "ref_logprobs")
+                fill_logprobs(policy.reference_module(), every, t.micro_batch_size, pad, acc.device, "ref_logprobs",
+                              t.head_chunk_size)
         metrics["num_samples"] = len(every)
         return per_update, advantages
 

@@ -99,7 +99,8 @@ def update_policy(model, optimizer, scheduler, acc, samples_per_update: list[lis
             if dummy:
                 batch.weights.zero_()
             with _boundary(acc, model, last=j == n_micro - 1):
-                logp, ent = sequence_logprobs(model, batch, with_entropy=t.entropy_coef > 0)
+                logp, ent = sequence_logprobs(model, batch, with_entropy=t.entropy_coef > 0,
+                                             head_chunk=t.head_chunk_size)
                 tok_loss, parts = grpo.token_loss(
                     logp, batch.old_logprobs, batch.rollout_logprobs, batch.ref_logprobs, ent, batch.advantages,
                     clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap or None,

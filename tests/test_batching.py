@@ -85,3 +85,34 @@ def test_trainer_logprobs_equal_the_engines(alfworld_data):
         engine_lp = torch.tensor([s.rollout_logprobs[i] for i in trained])
         trainer_lp = torch.tensor([s.old_logprobs[i - 1] for i in trained])
         torch.testing.assert_close(trainer_lp, engine_lp, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("with_grad", [True, False])
+def test_chunked_output_head_equals_the_whole_head(with_grad):
+    """train.head_chunk_size: slices of the output layer (checkpointed) give the same log-probs, entropy and gradients."""
+    from memexrl.batching import SegmentSample, sequence_logprobs
+    from memexrl.models import load_policy
+
+    torch.manual_seed(0)
+    cfg = load_config(None, ["model.name=tiny-qwen3-moe", "model.device=cpu"])
+    model, _ = load_policy(cfg.model)
+    model.train(with_grad)
+    samples = [SegmentSample(torch.randint(5, 200, (n,)).tolist(), [0] * 4 + [1] * (n - 4), [0.0] * n, 1.0, 1.0, i)
+               for i, n in enumerate((17, 11))]
+    batch = collate(samples, 0, torch.device("cpu"))
+    results = []
+    for chunk in (0, 3):  # 3: several slices and a remainder
+        model.zero_grad()
+        with torch.set_grad_enabled(with_grad):
+            logp, ent = sequence_logprobs(model, batch, with_entropy=True, head_chunk=chunk)
+            if with_grad:
+                ((logp + ent) * batch.loss_mask).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results.append((logp.detach(), ent.detach(), grads))
+    (logp0, ent0, grads0), (logp3, ent3, grads3) = results
+    assert logp0.shape == (2, 16) and bool((logp0[:, 3:][batch.loss_mask[:, 3:] > 0] < 0).all())
+    torch.testing.assert_close(logp3, logp0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent3, ent0, atol=1e-5, rtol=1e-5)
+    assert len(grads3) == len(grads0) and (len(grads0) > 0) == with_grad
+    for g3, g0 in zip(grads3, grads0):
+        torch.testing.assert_close(g3, g0, atol=1e-5, rtol=1e-4)
