@@ -124,6 +124,13 @@ def collate(samples: list[SegmentSample], pad_id: int, device: torch.device) -> 
     return MicroBatch(put(ids), put(attn), put(mask), put(rollout), put(adv), put(weights), put(old), put(ref))
 
 
+def output_layer(model) -> torch.nn.Module:
+    """The LM head, looking through DDP / DeepSpeed wrappers (DDP does not forward attributes)."""
+    while not hasattr(model, "get_output_embeddings") and hasattr(model, "module"):
+        model = model.module
+    return model.get_output_embeddings()
+
+
 def _head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
     """Output layer + log-softmax for a slice of positions: hidden (B, C, H), targets (B, C) -> (B, C) x 2."""
     logp_all = torch.log_softmax(head(hidden).float(), dim=-1)  # (B, C, V)
@@ -141,9 +148,9 @@ def sequence_logprobs(model, batch: MicroBatch, with_entropy: bool = False, head
     positions, each under activation checkpointing, so that the (B, positions, vocabulary)
     logits, log-softmax and entropy exist for one slice at a time, in the forward and in the
     backward (which recomputes the slice's head): the role of verl's fused / chunked
-    `logprobs_from_logits`, in plain torch. With a 49K vocabulary these per-token tensors, not
-    the transformer's activations, dominate the update's memory (docs/benchmarks.md). The cost
-    is one more head forward per trained token. The hidden states are the model's own last
+    `logprobs_from_logits`, in plain torch. With a 49K vocabulary these per-token tensors are
+    ~2 GB of the ~9 GB of a 2 x 2,000-token micro-batch of SmolLM2 (docs/benchmarks.md). The
+    cost is one more head forward per trained token. The hidden states are the model's own last
     `hidden_states` (after the final norm), so the forward still goes through the wrapped model
     (DDP / DeepSpeed hooks run); models that post-process logits (soft-capping, logit scaling)
     must use head_chunk 0. head_chunk 0: one full-width head via `logits_to_keep`.
@@ -162,7 +169,7 @@ def sequence_logprobs(model, batch: MicroBatch, with_entropy: bool = False, head
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=1,
                     output_hidden_states=True)
         hidden = out.hidden_states[-1][:, start:-1]  # (B, L-1-start, H)
-        head = model.get_output_embeddings()
+        head = output_layer(model)
         parts = []
         for i in range(0, hidden.shape[1], head_chunk):
             args = (head, hidden[:, i : i + head_chunk], targets[:, i : i + head_chunk], with_entropy)

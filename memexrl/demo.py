@@ -37,10 +37,11 @@ log = logging.getLogger(__name__)
 
 DONE_FILE = "DONE.json"
 STAGES = ("expert", "sft", "grpo", "eval", "lme", "report")
+LME_DOMAINS = ("web",)  # the LME stage's synthetic haystack: the two web environments, one haystack for all
 # `memexrl demo --quick`: a first look in a few minutes (every stage runs, on the fewest games and steps).
 QUICK_OVERRIDES = [
     "demo.output_dir=runs/demo-quick", "demo.expert_games=6", "demo.eval_games=2", "demo.eval_agents=memex",
-    "demo.eval_max_steps=6", "demo.lme_trajectories=8", "demo.lme_questions=2", "demo.lme_context_tokens=2000",
+    "demo.eval_max_steps=6", "demo.lme_trajectories=5", "demo.lme_questions=1", "demo.lme_context_tokens=2000",
     "demo.lme_memories=memex,rag",
     "sft.max_steps=2", "train.steps=1", "train.group_size=2", "train.global_batch_size=2",
     "train.max_episode_steps=4", "rollout.max_new_tokens=96",
@@ -163,7 +164,7 @@ def stage_lme(demo: Demo, where: Path) -> dict:
     data = where / "data"
     write_synthetic(data, seed=demo.cfg.seed, n_trajectories_small=d.lme_trajectories,
                     n_trajectories_medium=d.lme_trajectories, questions_per_type=d.lme_questions_per_type,
-                    domains=("web",))
+                    domains=LME_DOMAINS)
     # The base model reads and judges (a stand-in for the paper's Qwen3.5-9B reader, lme-v2.md).
     reader = make_chat("local", demo.cfg.model.name, {**READER_SAMPLING, "max_tokens": 128}, 128)
     results = {}
@@ -224,6 +225,17 @@ def check_same_config(cfg: Config, out: Path) -> None:
                          "to start over, or choose another demo.output_dir")
 
 
+def check_lme_sizes(cfg: Config) -> None:
+    """Stop before anything runs when the LME stage's haystack cannot hold its questions' evidence."""
+    from eval.lme.synth import evidence_trajectories
+
+    d = cfg.demo
+    need = evidence_trajectories(cfg.seed, d.lme_questions_per_type, LME_DOMAINS)
+    if d.lme_trajectories < need:
+        raise MemexError(f"demo.lme_trajectories {d.lme_trajectories} is too few: {d.lme_questions_per_type} question(s) "
+                         f"per type need {need} evidence trajectories; raise it to {need} or more")
+
+
 def run_demo(cfg: Config, restart: bool = False) -> Path:
     """Run every stage not yet done (all of them with `restart`); return the path of OUT/report.md."""
     from envs.data import list_games
@@ -233,6 +245,7 @@ def run_demo(cfg: Config, restart: bool = False) -> Path:
     list_games(cfg.demo.expert_split, cfg.env.data_dir)  # missing data stops here, before anything runs
     list_games(cfg.demo.eval_split, cfg.env.data_dir)
     module_settings(names(cfg.demo.lme_memex_settings), "demo.lme_memex_settings")  # so does a bad setting
+    check_lme_sizes(cfg)
     if restart and out.exists():
         shutil.rmtree(out)
     check_same_config(cfg, out)

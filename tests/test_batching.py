@@ -116,3 +116,30 @@ def test_chunked_output_head_equals_the_whole_head(with_grad):
     assert len(grads3) == len(grads0) and (len(grads0) > 0) == with_grad
     for g3, g0 in zip(grads3, grads0):
         torch.testing.assert_close(g3, g0, atol=1e-5, rtol=1e-4)
+
+
+def test_chunked_output_head_through_a_ddp_wrapper():
+    """Multi-GPU runs hand `sequence_logprobs` the DDP-wrapped model, which does not forward attributes."""
+    import socket
+
+    import torch.distributed as dist
+
+    from memexrl.batching import SegmentSample, sequence_logprobs
+    from memexrl.models import load_policy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model, _ = load_policy(load_config(None, ["model.name=tiny-qwen3-moe", "model.device=cpu"]).model)
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        sample = SegmentSample(torch.randint(5, 200, (12,)).tolist(), [0] * 3 + [1] * 9, [0.0] * 12, 1.0, 1.0, 0)
+        batch = collate([sample], 0, torch.device("cpu"))
+        with torch.no_grad():
+            whole, _ = sequence_logprobs(model, batch)
+            sliced, _ = sequence_logprobs(wrapped, batch, head_chunk=4)
+        torch.testing.assert_close(sliced, whole, atol=1e-5, rtol=1e-5)
+    finally:
+        dist.destroy_process_group()

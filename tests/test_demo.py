@@ -6,7 +6,7 @@ import pytest
 
 from eval.compare import table
 from memexrl.config import load_config
-from memexrl.demo import DONE_FILE, QUICK_OVERRIDES, Demo, check_same_config, run_demo
+from memexrl.demo import DONE_FILE, QUICK_OVERRIDES, Demo, check_lme_sizes, check_same_config, run_demo
 from memexrl.errors import MemexError
 
 
@@ -55,6 +55,8 @@ def test_quick_overrides_are_a_valid_smaller_config():
     assert quick.demo.output_dir != full.demo.output_dir  # a quick look never blocks the full demo's resume
     assert quick.demo.expert_games < full.demo.expert_games and quick.train.steps <= full.train.steps
     assert quick.sft.max_steps < full.sft.max_steps and quick.demo.eval_games <= full.demo.eval_games
+    assert quick.demo.lme_trajectories <= full.demo.lme_trajectories and quick.demo.lme_questions <= full.demo.lme_questions
+    assert quick.train.max_episode_steps <= full.train.max_episode_steps
 
 
 def test_missing_data_stops_before_anything_runs(tmp_path):
@@ -73,3 +75,12 @@ def test_a_bad_memex_setting_stops_before_anything_runs(tmp_path, alfworld_data)
     with pytest.raises(MemexError, match="demo.lme_memex_settings 'max_reads': use key=value"):
         run_demo(cfg)
     assert not (tmp_path / "d").exists()
+
+
+def test_a_haystack_too_small_for_the_questions_stops_before_anything_runs(tmp_path, alfworld_data):
+    cfg = load_config("configs/demo.yaml", [f"demo.output_dir={tmp_path / 'd'}", "demo.lme_trajectories=4"])
+    with pytest.raises(MemexError, match="demo.lme_trajectories 4 is too few: 1 question.s. per type need 5"):
+        run_demo(cfg)
+    assert not (tmp_path / "d").exists()
+    for overrides in ([], QUICK_OVERRIDES):  # both shipped sizes pass the check
+        check_lme_sizes(load_config("configs/demo.yaml", overrides))

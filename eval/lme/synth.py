@@ -321,20 +321,8 @@ def _split(total: int, envs: tuple[Env, ...]) -> dict[str, int]:
     return {env.slug: total // len(envs) + (k < total % len(envs)) for k, env in enumerate(envs)}
 
 
-def write_synthetic(out: Path, seed: int = 0, n_trajectories_small: int = 24, n_trajectories_medium: int = 60,
-                    questions_per_type: int = 3, domains: tuple[str, ...] = ("web", "enterprise")) -> dict:
-    """Write the data set under `out` (a new or earlier-synthesised directory); returns a summary dict.
-
-    `domains=("web",)` keeps the two web environments only: then every question shares one haystack.
-    """
-    out = Path(out)
-    envs = tuple(env for env in ENVS if env.domain in domains)
-    if not envs or set(domains) - {env.domain for env in ENVS}:
-        raise MemexError(f"domains must be among web, enterprise; got {', '.join(domains) or 'none'}")
-    if not 1 <= questions_per_type <= MAX_PER_TYPE:
-        raise MemexError(f"questions per type must be 1..{MAX_PER_TYPE}, got {questions_per_type}")
-    if out.exists() and any(out.iterdir()) and not (out / EVIDENCE_FILE).is_file():
-        raise MemexError(f"{out} is not empty and holds no earlier synthetic set; choose a new directory")
+def _plan(envs: tuple[Env, ...], seed: int, questions_per_type: int):
+    """The questions and their evidence trajectories' specs (before any distractor), and the rng to go on with."""
     rng = random.Random(seed)
     pools: dict[str, list[dict]] = {}
     spare: dict[str, list[str]] = {}
@@ -355,6 +343,29 @@ def write_synthetic(out: Path, seed: int = 0, n_trajectories_small: int = 24, n_
             specs.append(_distractor(env, "evidence", rng, spare[env.slug]))
             hosts = specs[-1:]
         min(hosts, key=lambda s: (len(s.detours), rng.random())).detours.append(d)
+    return rng, pools, spare, questions, specs
+
+
+def evidence_trajectories(seed: int = 0, questions_per_type: int = 3, domains: tuple[str, ...] = ("web", "enterprise")) -> int:
+    """How many trajectories the questions' evidence takes: the smallest small haystack `write_synthetic` accepts."""
+    return len(_plan(tuple(env for env in ENVS if env.domain in domains), seed, questions_per_type)[4])
+
+
+def write_synthetic(out: Path, seed: int = 0, n_trajectories_small: int = 24, n_trajectories_medium: int = 60,
+                    questions_per_type: int = 3, domains: tuple[str, ...] = ("web", "enterprise")) -> dict:
+    """Write the data set under `out` (a new or earlier-synthesised directory); returns a summary dict.
+
+    `domains=("web",)` keeps the two web environments only: then every question shares one haystack.
+    """
+    out = Path(out)
+    envs = tuple(env for env in ENVS if env.domain in domains)
+    if not envs or set(domains) - {env.domain for env in ENVS}:
+        raise MemexError(f"domains must be among web, enterprise; got {', '.join(domains) or 'none'}")
+    if not 1 <= questions_per_type <= MAX_PER_TYPE:
+        raise MemexError(f"questions per type must be 1..{MAX_PER_TYPE}, got {questions_per_type}")
+    if out.exists() and any(out.iterdir()) and not (out / EVIDENCE_FILE).is_file():
+        raise MemexError(f"{out} is not empty and holds no earlier synthetic set; choose a new directory")
+    rng, pools, spare, questions, specs = _plan(envs, seed, questions_per_type)
     n_evidence = len(specs)
     if n_trajectories_small < n_evidence:
         raise MemexError(f"a small haystack of {n_trajectories_small} trajectories is too few: {questions_per_type} "
