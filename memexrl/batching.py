@@ -153,13 +153,16 @@ def sequence_logprobs(model, batch: MicroBatch, with_entropy: bool = False, head
     cost is one more head forward per trained token. The hidden states are the model's own last
     `hidden_states` (after the final norm), so the forward still goes through the wrapped model
     (DDP / DeepSpeed hooks run); models that post-process logits (soft-capping, logit scaling)
-    must use head_chunk 0. head_chunk 0: one full-width head via `logits_to_keep`.
+    must use head_chunk 0. head_chunk 0: one full-width head via `logits_to_keep`, which is also
+    what runs under DeepSpeed ZeRO-3: its partitioned head weight is gathered by a module hook
+    in the forward but not inside a checkpoint's recompute.
     """
     B, L = batch.input_ids.shape
     trained = batch.loss_mask.sum(dim=0).nonzero()
     start = int(trained[0]) if len(trained) else L - 2  # first position (predicting token start+1) to keep
     targets = batch.input_ids[:, start + 1 :]  # (B, L-1-start)
-    if head_chunk <= 0:
+    head = output_layer(model)
+    if head_chunk <= 0 or hasattr(head.weight, "ds_id"):  # ds_id: a ZeRO-3 partitioned parameter
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                        logits_to_keep=L - start).logits[:, :-1]  # (B, L-1-start, V)
         logp_all = torch.log_softmax(logits.float(), dim=-1)
@@ -169,7 +172,6 @@ def sequence_logprobs(model, batch: MicroBatch, with_entropy: bool = False, head
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=1,
                     output_hidden_states=True)
         hidden = out.hidden_states[-1][:, start:-1]  # (B, L-1-start, H)
-        head = output_layer(model)
         parts = []
         for i in range(0, hidden.shape[1], head_chunk):
             args = (head, hidden[:, i : i + head_chunk], targets[:, i : i + head_chunk], with_entropy)

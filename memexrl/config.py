@@ -235,7 +235,8 @@ class TrainSection:
     head_chunk_size: int = _help(
         "Positions per slice of the output layer + log-softmax in the update and the old/ref log-probs, "
         "each slice recomputed in the backward (batching.sequence_logprobs): the (tokens x vocabulary) "
-        "tensors exist one slice at a time. 0: the whole segment at once (models that post-process logits).",
+        "tensors exist one slice at a time. 0: the whole segment at once (models that post-process logits; "
+        "DeepSpeed ZeRO-3 always runs it so).",
         512,
     )
     fake_quant_group_size: int = _help(
