@@ -12,7 +12,7 @@ is what OOM-killed `make demo`'s second GRPO step on a 24 GB machine.
 
 `mallopt(M_MMAP_THRESHOLD, 1 MiB)` fixes the threshold (which also stops the adaptation): every
 larger tensor gets its own mapping, returned to the system when freed. The price is page
-faults on fresh mappings (no slower on that micro-batch: 109 s either way). PyTorch's CPU
+faults on fresh mappings: ~6 % more time in `memexrl bench update` (docs/benchmarks.md). PyTorch's CPU
 performance guide suggests preloading jemalloc or tcmalloc for the same problem; this needs
 no preload. Left alone when the user set `MALLOC_MMAP_THRESHOLD_` (glibc's own variable) or
 when the C library is not glibc.
