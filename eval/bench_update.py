@@ -1,10 +1,10 @@
 """`memexrl bench update`: the GRPO update's memory, with and without its two memory measures.
 
 One micro-batch of `train.micro_batch_size` segments of `--segment-tokens` tokens (the first
-quarter prompt, the rest trained) goes through what `memexrl/update.py` does per micro-batch
-(`sequence_logprobs` with entropy, `grpo.token_loss` with KL and TIS, `grpo.aggregate`, backward,
-an AdamW step), `--bench-steps` times, with the config's policy (train.finetune, LoRA in
-configs/tiny-cpu.yaml; the base model, no SFT checkpoint needed). Three variants, each in a fresh
+quarter prompt, the rest trained) goes through `memexrl/update.py`'s `update_policy` (log-probs
+and entropy, the GRPO loss with KL and TIS, backward, clipping, an AdamW step), `--bench-steps`
+times, with the config's policy (train.finetune, LoRA in configs/tiny-cpu.yaml; the base model, no
+SFT checkpoint needed). Three variants, each in a fresh
 process so that each starts from an untouched allocator:
 
 - before: glibc's adaptive mmap threshold, the whole output layer at once (`head_chunk_size 0`);
@@ -55,19 +55,25 @@ def child(spec: dict) -> dict:
     if spec["fix_malloc"]:
         return_freed_memory()  # before torch allocates anything, as `memexrl` does
     import torch
+    from accelerate import Accelerator
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    from memexrl import grpo
-    from memexrl.batching import SegmentSample, collate, sequence_logprobs
+    from memexrl.batching import SegmentSample
     from memexrl.config import load_config
     from memexrl.finetune import load_policy_for_grpo
+    from memexrl.trainer import make_optimizer
+    from memexrl.update import update_policy
 
     cfg = load_config(spec["config"], spec["overrides"])
-    cfg = replace(cfg, model=replace(cfg.model, device="cpu"), train=replace(cfg.train, init_checkpoint=""))
+    chunk = cfg.train.head_chunk_size if spec["chunk_head"] else 0
+    cfg = replace(cfg, model=replace(cfg.model, device="cpu"),
+                  train=replace(cfg.train, init_checkpoint="", head_chunk_size=chunk))
     t = cfg.train
+    acc = Accelerator(cpu=True, mixed_precision="no")
     policy = load_policy_for_grpo(cfg)
-    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=t.learning_rate)
+    optimizer, scheduler = make_optimizer(policy, cfg)
+    model, optimizer = acc.prepare(policy.model, optimizer)
     n, prompt = spec["tokens"], spec["tokens"] // 4
     samples = []
     for i in range(t.micro_batch_size):
@@ -76,18 +82,10 @@ def child(spec: dict) -> dict:
         s = SegmentSample(ids, [0] * prompt + [1] * (n - prompt), lp, 1.0 if i % 2 else -1.0, 1.0 / (n - prompt), i)
         s.old_logprobs = s.ref_logprobs = lp[1:]
         samples.append(s)
-    batch = collate(samples, 0, torch.device("cpu"))
-    chunk = t.head_chunk_size if spec["chunk_head"] else 0
-    policy.model.train()
     start = time.perf_counter()
-    for _ in range(spec["steps"]):
-        logp, ent = sequence_logprobs(policy.model, batch, with_entropy=True, head_chunk=chunk)
-        loss, _ = grpo.token_loss(logp, batch.old_logprobs, batch.rollout_logprobs, batch.ref_logprobs, ent,
-                                  batch.advantages, tis_cap=t.tis_cap, kl_coef=t.kl_coef, entropy_coef=t.entropy_coef)
-        grpo.aggregate(loss, batch.weights).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        del logp, ent, loss
+    for _ in range(spec["steps"]):  # one optimizer step over the one micro-batch, as memexrl train's update
+        update_policy(model, optimizer, scheduler, acc, [samples], t, policy.tokenizer,
+                      policy.trainable_parameters())
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB
     return {"peak_gb": peak, "after_gb": _rss_gb(), "seconds": seconds}

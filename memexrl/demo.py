@@ -232,8 +232,8 @@ def check_lme_sizes(cfg: Config) -> None:
     d = cfg.demo
     need = evidence_trajectories(cfg.seed, d.lme_questions_per_type, LME_DOMAINS)
     if d.lme_trajectories < need:
-        raise MemexError(f"demo.lme_trajectories {d.lme_trajectories} is too few: {d.lme_questions_per_type} question(s) "
-                         f"per type need {need} evidence trajectories; raise it to {need} or more")
+        raise MemexError(f"demo.lme_trajectories {d.lme_trajectories} is too few: {d.lme_questions_per_type} "
+                         f"question(s) per type need {need} evidence trajectories; raise it to {need} or more")
 
 
 def run_demo(cfg: Config, restart: bool = False) -> Path:

@@ -346,9 +346,18 @@ def _plan(envs: tuple[Env, ...], seed: int, questions_per_type: int):
     return rng, pools, spare, questions, specs
 
 
-def evidence_trajectories(seed: int = 0, questions_per_type: int = 3, domains: tuple[str, ...] = ("web", "enterprise")) -> int:
+def _envs(domains: tuple[str, ...]) -> tuple[Env, ...]:
+    """The environments of `domains`; unknown or no domains stop with one line."""
+    envs = tuple(env for env in ENVS if env.domain in domains)
+    if not envs or set(domains) - {env.domain for env in ENVS}:
+        raise MemexError(f"domains must be among web, enterprise; got {', '.join(domains) or 'none'}")
+    return envs
+
+
+def evidence_trajectories(seed: int = 0, questions_per_type: int = 3,
+                          domains: tuple[str, ...] = ("web", "enterprise")) -> int:
     """How many trajectories the questions' evidence takes: the smallest small haystack `write_synthetic` accepts."""
-    return len(_plan(tuple(env for env in ENVS if env.domain in domains), seed, questions_per_type)[4])
+    return len(_plan(_envs(domains), seed, questions_per_type)[4])
 
 
 def write_synthetic(out: Path, seed: int = 0, n_trajectories_small: int = 24, n_trajectories_medium: int = 60,
@@ -358,9 +367,7 @@ def write_synthetic(out: Path, seed: int = 0, n_trajectories_small: int = 24, n_
     `domains=("web",)` keeps the two web environments only: then every question shares one haystack.
     """
     out = Path(out)
-    envs = tuple(env for env in ENVS if env.domain in domains)
-    if not envs or set(domains) - {env.domain for env in ENVS}:
-        raise MemexError(f"domains must be among web, enterprise; got {', '.join(domains) or 'none'}")
+    envs = _envs(domains)
     if not 1 <= questions_per_type <= MAX_PER_TYPE:
         raise MemexError(f"questions per type must be 1..{MAX_PER_TYPE}, got {questions_per_type}")
     if out.exists() and any(out.iterdir()) and not (out / EVIDENCE_FILE).is_file():
