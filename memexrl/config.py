@@ -144,6 +144,9 @@ class SFTSection:
 
     demos: str = _help("demos.jsonl written by `memexrl expert` (trajectory JSON with tokens).", "")
     output_dir: str = _help("Run directory (config.yaml, metrics.jsonl, checkpoints/, plots/, wandb/).", "runs/sft")
+    task_types: str = _help(
+        "Train on the demonstrations of these task types only (comma-separated, '' = all, as the paper), e.g. "
+        "the short ones a CPU learning run plays (configs/cpu-learning.yaml).", "")
     validation_fraction: float = _help("Share of demonstration games held out for validation (split by game).", 0.1)
     max_length: int = _help("Segments longer than this many tokens are dropped (and counted).", 4096)
     epochs: float = _help("Passes over the training segments.", 2.0)

@@ -20,6 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from envs.data import parse_task_types
 from memexrl.errors import MemexError
 from memexrl.jsonl import read_jsonl
 
@@ -93,11 +94,17 @@ def segment_rows(demos: list[dict[str, Any]], max_length: int) -> tuple[list[dic
     return rows, counts
 
 
-def build_dataset(demos_path: str | Path, validation_fraction: float = 0.1, max_length: int = 4096):
-    """A DatasetDict {train, validation} of segment rows, split by game."""
+def build_dataset(demos_path: str | Path, validation_fraction: float = 0.1, max_length: int = 4096,
+                  task_types: str = ""):
+    """A DatasetDict {train, validation} of segment rows, split by game; only the winning demonstrations of
+    `task_types` (comma-separated, '' = all)."""
     from datasets import Dataset, DatasetDict
 
-    demos = [d for d in load_demonstrations(demos_path) if d["success"]]
+    chosen = parse_task_types(task_types)
+    demos = [d for d in load_demonstrations(demos_path) if d["success"] and (not chosen or d["task_type"] in chosen)]
+    if not demos:
+        raise MemexError(f"{demos_path} holds no winning demonstration of task type(s) {task_types}: "
+                         "demonstrate more games (`memexrl expert --games N`) or change sft.task_types")
     rows, counts = segment_rows(demos, max_length)
     if counts["too_long"]:
         log.warning("dropped %d of %d segments longer than %d tokens", counts["too_long"], counts["segments"],

@@ -79,7 +79,7 @@ def run_sft(cfg: Config) -> Path:
     run_dir = Path(s.output_dir)
     prepare_run_dir(cfg, run_dir)
     seed_everything(cfg.seed)
-    data = build_dataset(s.demos, s.validation_fraction, s.max_length)
+    data = build_dataset(s.demos, s.validation_fraction, s.max_length, s.task_types)
     model, tokenizer = load_policy(cfg.model, for_training=True)
     on_cpu = resolve_device(cfg.model.device).type == "cpu"
     if on_cpu and s.bf16:

@@ -120,3 +120,18 @@ def test_tiny_sft_run_end_to_end(demos_file, tmp_path, alfworld_data):
     assert any("eval_loss" in m for m in metrics)
     model, tokenizer = load_policy(cfg.model.__class__(name=str(checkpoint), device="cpu"))
     assert tokenizer.eos_token == "<|im_end|>" and not hasattr(model, "peft_config")  # merged for inference
+
+
+def test_task_types_keep_only_those_demonstrations(demos_file):
+    path, trajs, _ = demos_file
+    kept = trajs[0].task_type
+    data = build_dataset(path, validation_fraction=0.0, task_types=kept)
+    expected = {game_id(t.game) for t in trajs if t.task_type == kept}
+    assert {r["game"] for r in data["train"]} == expected
+    assert {r["task_type"] for r in data["train"]} == {kept}
+    absent = next(t for t in ("pick_two_obj_and_place", "look_at_obj_in_light", "pick_and_place_simple")
+                  if t not in {tr.task_type for tr in trajs})
+    with pytest.raises(MemexError, match="no winning demonstration of task type"):
+        build_dataset(path, task_types=absent)
+    with pytest.raises(MemexError, match="unknown ALFWorld task type"):
+        build_dataset(path, task_types="pick_and_plaice")
