@@ -103,7 +103,8 @@ def build_dataset(demos_path: str | Path, validation_fraction: float = 0.1, max_
     chosen = parse_task_types(task_types)
     demos = [d for d in load_demonstrations(demos_path) if d["success"] and (not chosen or d["task_type"] in chosen)]
     if not demos:
-        raise MemexError(f"{demos_path} holds no winning demonstration of task type(s) {task_types}: "
+        of = f"of task type(s) {task_types}" if chosen else "at all"
+        raise MemexError(f"{demos_path} holds no winning demonstration {of}: "
                          "demonstrate more games (`memexrl expert --games N`) or change sft.task_types")
     rows, counts = segment_rows(demos, max_length)
     if counts["too_long"]:
