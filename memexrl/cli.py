@@ -78,7 +78,8 @@ def cmd_expert(args: argparse.Namespace) -> None:
 
     cfg = load_config(args.config, args.overrides)
     out = check_request(cfg, args.split, args.games, args.out)
-    kept, report = make_demonstrations(cfg, args.split, args.games, args.workers, order=args.order)
+    kept, report = make_demonstrations(cfg, args.split, args.games, args.workers, order=args.order,
+                                       task_types=args.task_types)
     write_demonstrations(out, kept, report, cfg.model.name)
     print(summary_text(report))
     print(f"{len(kept)} demonstrations written to {out / DEMOS_FILE}")
@@ -215,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--workers", type=int, default=None, help="env worker processes (default: env.num_workers)")
     exp.add_argument("--order", choices=["sorted", "mixed"], default="mixed",
                      help="sorted: the split's sorted order (grouped by task type); mixed: task types in turn")
+    exp.add_argument("--task-types", default="",
+                     help="comma-separated task types to play ('' = all), e.g. those of train.task_types")
     exp.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
     exp.set_defaults(func=cmd_expert)
 

@@ -124,6 +124,14 @@ class ExpertConfig:
         0.0,
     )
     max_detours: int = _help("Most detours in one episode.", 4)
+    milestone_compress: bool = _help(
+        "Compress at the task's phase boundaries too (object taken, put down, heated, cooled, cleaned, sliced; "
+        "sft/expert.py), not only when W passes memory.warn_ratio * T (memex.md 'Context status'). False: in a "
+        "short game the object is then placed right after it is taken, with no compression in between, which "
+        "a 135M SFT start reproduces (configs/cpu-learning.yaml, docs/results.md section 4). Our choice either "
+        "way: the paper does not say when its demonstrations compress.",
+        True,
+    )
     max_turn_tokens: int = _help(
         "The expert's turns at most this many tokens (0 = rollout.max_new_tokens). Below the cap, the "
         "longer calls a small policy writes after SFT still fit before they are cut.",

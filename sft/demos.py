@@ -59,7 +59,8 @@ def run_expert(
 ) -> tuple[list[Trajectory], MemexExpertEngine]:
     """Play the Memex expert on `games` (episode ids `g0`, `g1`, ...), a few chunks at a time; all trajectories."""
     engine = MemexExpertEngine(tokenizer, cfg.expert.detour_rate, cfg.expert.max_detours, cfg.seed,
-                               cfg.expert.rejected_compress_rate, cfg.expert.max_turn_tokens)
+                               cfg.expert.rejected_compress_rate, cfg.expert.max_turn_tokens,
+                               cfg.expert.milestone_compress)
     renderer = make_renderer(tokenizer, cfg)
     jobs = [(f"g{i}", str(g)) for i, g in enumerate(games)]
     workers = cfg.env.num_workers if workers is None else workers
@@ -82,15 +83,16 @@ def make_demonstrations(
     tokenizer=None,
     progress: bool = True,
     order: str = "sorted",
+    task_types: str = "",
 ) -> tuple[list[Trajectory], dict]:
-    """Play the Memex expert on the first `n_games` games of `split` (in `order`, see `ordered_games`);
-    return (successful trajectories, report).
+    """Play the Memex expert on the first `n_games` games of `split` (in `order`, of `task_types` only when
+    given: see `ordered_games`); return (successful trajectories, report).
 
     `tokenizer` defaults to the config's policy tokenizer (`memexrl.models.load_tokenizer(cfg.model)`).
     """
     if n_games < 1:
         raise MemexError(f"the number of games must be >= 1, got {n_games}")
-    games = ordered_games(split, cfg.env.data_dir, order)[:n_games]
+    games = ordered_games(split, cfg.env.data_dir, order, task_types)[:n_games]
     if tokenizer is None:
         from memexrl.models import load_tokenizer
 
@@ -100,6 +102,7 @@ def make_demonstrations(
     report = {
         "split": split,
         "order": order,
+        "task_types": task_types,
         **demo_report(trajs),
         "expert_stops": dict(engine.stops),
         "detours": dict(engine.detours),  # untrained off-plan moves by kind (sft/detours.py)

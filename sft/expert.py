@@ -6,7 +6,8 @@ behaviour the policy should learn:
 
 - `look` once, first (the env never offers a second one: envs/alfworld.py);
 - `CompressExperience` at natural phase boundaries (target found and picked up, object put down,
-  heated, cooled, cleaned, sliced; at least MIN_STEPS_BETWEEN_COMPRESSIONS env actions apart) and whenever W passes warn_ratio * T (memex.md "Context status"),
+  heated, cooled, cleaned, sliced; at least MIN_STEPS_BETWEEN_COMPRESSIONS env actions apart; off with
+  `expert.milestone_compress: false`) and whenever W passes warn_ratio * T (memex.md "Context status"),
   with an index-map summary that names every index of the store (memex.md: carry indices over);
 - exact evidence archived by anchor mode (the room overview from `look`, the observations where
   the target objects were seen: start/mid/end anchors copied from the working context and checked
@@ -67,8 +68,9 @@ class MemexExpertEngine(ScriptedEngine):
     """The Memex expert as an engine: each request's episode (`req.state`) decides the next turn."""
 
     def __init__(self, tokenizer, detour_rate: float = 0.0, max_detours: int = 4, seed: int = 0,
-                 rejected_compress_rate: float = 0.0, max_turn_tokens: int = 0):
+                 rejected_compress_rate: float = 0.0, max_turn_tokens: int = 0, milestone_compress: bool = True):
         super().__init__(tokenizer, {})
+        self.milestone_compress = milestone_compress  # False: compress only past warn_ratio * T
         self.max_turn_tokens = max_turn_tokens  # 0: the request's max_new_tokens
         # Why episodes were stopped: "no_plan" (the handcoded expert gave up) or "unseen_name" (its next
         # action names something neither in the context nor in the store: a random move the policy
@@ -160,7 +162,8 @@ class MemexExpertEngine(ScriptedEngine):
         threshold = ep.cfg.memory.threshold * ep.cfg.memory.warn_ratio
         if ep.context.working_tokens > threshold:
             return True
-        return notes.milestone is not None and notes.env_since_compress >= MIN_STEPS_BETWEEN_COMPRESSIONS
+        return (self.milestone_compress and notes.milestone is not None
+                and notes.env_since_compress >= MIN_STEPS_BETWEEN_COMPRESSIONS)
 
     @staticmethod
     def _block_to_read(store, names: list[str], already: set[str]) -> str | None:

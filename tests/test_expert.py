@@ -270,3 +270,27 @@ def test_expert_cli_bad_input_exits_2(alfworld_data, tmp_path, capsys, args, fra
     assert main(["expert", *args, f"env.data_dir={alfworld_data}"]) == 2
     err = capsys.readouterr().err
     assert fragment in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_without_milestone_compression_only_past_the_warning(alfworld_data, tmp_path):
+    """`expert.milestone_compress=false` + `--task-types`: demos of those types only, where a compression comes
+    only once W passes warn_ratio * T (or answers a rejected one), never just because the object was taken."""
+    out = tmp_path / "short"
+    types = "pick_and_place_simple,look_at_obj_in_light"
+    assert main(["expert", "--split", "valid_seen", "--games", "4", "--task-types", types, "--out", str(out),
+                 "--workers", "1", f"env.data_dir={alfworld_data}", "memory.threshold=1000",
+                 "expert.milestone_compress=false"]) == 0  # fmt: skip
+    report = json.loads((out / "report.json").read_text())
+    assert report["task_types"] == types and set(report["by_task_type"]) == set(types.split(","))
+    demos = [json.loads(line) for line in (out / "demos.jsonl").read_text().splitlines()]
+    assert len(demos) >= 3
+    takes = 0
+    for demo in demos:
+        steps = demo["steps"]
+        for before, step in zip(steps, steps[1:]):
+            takes += before["tool"] == EXECUTE_ACTION and before["arguments"]["action"].startswith("take ")
+            if step["tool"] == COMPRESS:
+                rejected = before["tool"] == COMPRESS and before["error"] or before["format_error"]
+                assert rejected or before["working_tokens"] > 0.8 * 1000, (demo["game"], before)
+    assert takes >= 3  # every won game of these types takes its object: the check above is not vacuous
