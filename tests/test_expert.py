@@ -260,6 +260,7 @@ def test_expert_cli_writes_demos_and_report(alfworld_data, tmp_path):
         (["--split", "nope", "--games", "2"], "unknown ALFWorld split"),
         (["--split", "valid_seen", "--games", "0"], "--games must be >= 1"),
         (["--split", "valid_seen", "--games", "1", "--out", "FILE/sub"], "cannot write to the output directory"),
+        (["--split", "valid_seen", "--games", "1", "--task-types", "nope"], "unknown ALFWorld task type"),
     ],
 )
 def test_expert_cli_bad_input_exits_2(alfworld_data, tmp_path, capsys, args, fragment):
