@@ -214,7 +214,7 @@ class MemexExpertEngine(ScriptedEngine):
         context_text = ep.context.working_text()
         anchored = evidence_blocks(notes, targets, context_text)
         working, threshold = ep.context.working_tokens, ep.cfg.memory.threshold
-        if notes.milestone:
+        if notes.milestone and self.milestone_compress:  # else W triggered it: give that reason
             why = f"I {notes.milestone}: a good point to compress my context and archive the details."
         else:
             why = f"My working context ({working} tokens) is near the threshold {threshold}; I compress it."

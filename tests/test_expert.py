@@ -295,4 +295,5 @@ def test_without_milestone_compression_only_past_the_warning(alfworld_data, tmp_
             if step["tool"] == COMPRESS:
                 answers_rejected = failed_compress(SimpleNamespace(**before))
                 assert answers_rejected or before["working_tokens"] > 0.8 * 1000, (demo["game"], before)
+                assert "a good point to compress" not in step["assistant"]  # the thought gives W's reason
     assert takes >= 3  # every won game of these types takes its object: the check above is not vacuous
