@@ -41,10 +41,9 @@ LME_DOMAINS = ("web",)  # the LME stage's synthetic haystack: the two web enviro
 # `memexrl demo --quick`: a first look in a few minutes (every stage runs, on the fewest games and steps).
 QUICK_OVERRIDES = [
     "demo.output_dir=runs/demo-quick", "demo.expert_games=6", "demo.eval_games=2", "demo.eval_agents=memex",
-    "demo.eval_max_steps=6", "demo.lme_trajectories=5", "demo.lme_questions=1", "demo.lme_context_tokens=2000",
-    "demo.lme_memories=memex,rag",
+    "demo.lme_questions=1", "demo.lme_context_tokens=2000",
     "sft.max_steps=2", "train.steps=1", "train.group_size=2", "train.global_batch_size=2",
-    "train.max_episode_steps=4", "rollout.max_new_tokens=96",
+    "rollout.max_new_tokens=96",
 ]
 
 
