@@ -118,8 +118,9 @@ class MemexExpertEngine(ScriptedEngine):
             return None
         action = plan[0]
         targets = Targets.of_game(ep.traj.game)
-        if self._should_compress(ep, notes):
-            text = self._compress_turn(ep, notes, targets, action, budget)
+        reason = self._compress_reason(ep, notes)
+        if reason is not None:
+            text = self._compress_turn(ep, notes, targets, action, budget, reason)
             if text is not None:
                 return text
         context = "\n\n".join(m["content"] for m in ep.context.messages[1:])
@@ -153,17 +154,19 @@ class MemexExpertEngine(ScriptedEngine):
                      if s.tool == EXECUTE_ACTION and not s.format_error and not s.error), "")
         return choose_detour(rng, seen_items(notes.room) or [], notes.checked, notes.location, last, planned)
 
-    def _should_compress(self, ep, notes: WorldNotes) -> bool:
+    def _compress_reason(self, ep, notes: WorldNotes) -> str | None:
+        """Why the expert compresses now, "milestone" or "context" (W past warn_ratio * T), or None when it
+        does not. A milestone counts only MIN_STEPS_BETWEEN_COMPRESSIONS actions after the last compression."""
         last = ep.traj.steps[-1]
-        if failed_compress(last):
-            return True  # a rejected compression is answered with the correct one (sft/detours.py)
+        milestone = self.milestone_compress and notes.milestone is not None
+        if failed_compress(last):  # a rejected compression is answered with the correct one (sft/detours.py)
+            return "milestone" if milestone else "context"  # its thoughts then say what was wrong
         if notes.env_since_compress < 1 or last.tool == READ:
-            return False  # never twice without acting in between, nor between a read and the action it serves
+            return None  # never twice without acting in between, nor between a read and the action it serves
+        if milestone and notes.env_since_compress >= MIN_STEPS_BETWEEN_COMPRESSIONS:
+            return "milestone"
         threshold = ep.cfg.memory.threshold * ep.cfg.memory.warn_ratio
-        if ep.context.working_tokens > threshold:
-            return True
-        return (self.milestone_compress and notes.milestone is not None
-                and notes.env_since_compress >= MIN_STEPS_BETWEEN_COMPRESSIONS)
+        return "context" if ep.context.working_tokens > threshold else None
 
     @staticmethod
     def _block_to_read(store, names: list[str], already: set[str]) -> str | None:
@@ -180,12 +183,13 @@ class MemexExpertEngine(ScriptedEngine):
                 best = rank
         return best[3] if best else None
 
-    def _compress_turn(self, ep, notes: WorldNotes, targets: Targets, action: str, budget: int) -> str | None:
+    def _compress_turn(self, ep, notes: WorldNotes, targets: Targets, action: str, budget: int,
+                       reason: str) -> str | None:
         """The correct CompressExperience (after a rejected one: saying what was wrong; after a format
         error: the shortest), or, drawn at `rejected_compress_rate`, first one that the tool or the parser
         rejects (untrained); None if none fits."""
         last = ep.traj.steps[-1]
-        call = self._compress(ep, notes, targets, action, budget, shortest=last.format_error)
+        call = self._compress(ep, notes, targets, action, budget, reason, shortest=last.format_error)
         if call is None:
             return None
         thoughts, arguments, text = call
@@ -204,9 +208,11 @@ class MemexExpertEngine(ScriptedEngine):
                 return wrong[1]
         return text
 
-    def _compress(self, ep, notes: WorldNotes, targets: Targets, action: str, budget: int, shortest: bool = False):
+    def _compress(self, ep, notes: WorldNotes, targets: Targets, action: str, budget: int, reason: str,
+                  shortest: bool = False):
         """(thoughts, arguments, text) of a CompressExperience, at the most detail that fits the token
-        budget (None if none fits); at the least detail if `shortest`. `text` is the turn as `_fit` wrote it.
+        budget (None if none fits); at the least detail if `shortest`. `text` is the turn as `_fit` wrote it;
+        its first thought gives `reason` (`_compress_reason`).
 
         When a name of the planned `action` would be in neither the summary nor a block afterwards
         (a small budget dropped its block), the summary says the next action exactly.
@@ -214,9 +220,9 @@ class MemexExpertEngine(ScriptedEngine):
         context_text = ep.context.working_text()
         anchored = evidence_blocks(notes, targets, context_text)
         working, threshold = ep.context.working_tokens, ep.cfg.memory.threshold
-        if notes.milestone and self.milestone_compress:  # else W triggered it: give that reason
+        if reason == "milestone":
             why = f"I {notes.milestone}: a good point to compress my context and archive the details."
-        else:
+        else:  # W triggered it
             why = f"My working context ({working} tokens) is near the threshold {threshold}; I compress it."
         existing = ep.store.indices()
         facts = {"db_index": FACTS_INDEX, "db_content": facts_text(notes, targets, full=True)}

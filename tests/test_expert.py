@@ -27,7 +27,7 @@ from memexrl.config import load_config  # noqa: E402
 from memexrl.memory.parsing import COMPRESS, EXECUTE_ACTION, READ  # noqa: E402
 from memexrl.memory.store import InMemoryStore  # noqa: E402
 from sft.demos import run_expert  # noqa: E402
-from sft.expert import anchor_block, failed_compress  # noqa: E402
+from sft.expert import MIN_STEPS_BETWEEN_COMPRESSIONS, anchor_block, failed_compress  # noqa: E402
 from sft.world import action_names, mentions, seen_items  # noqa: E402
 
 LOOK_TWICE_GAME = "valid_seen:33"  # the handcoded expert plans `look` again mid-episode here
@@ -178,6 +178,14 @@ def test_compress_at_boundaries_and_carry_every_index(played, smol_tokenizer):
             previous = t.steps[i - 1]
             if previous.tool == EXECUTE_ACTION and previous.arguments["action"].split(" ")[0] in MILESTONES:
                 at_boundary += 1
+            # the thought gives the real reason: a milestone only MIN_STEPS_BETWEEN_COMPRESSIONS actions on
+            if "a good point to compress" in step.assistant and not failed_compress(previous):
+                acted = 0
+                for before in reversed(t.steps[:i]):
+                    if before.compressed:
+                        break
+                    acted += before.tool == EXECUTE_ACTION and not before.format_error and not before.error
+                assert acted >= MIN_STEPS_BETWEEN_COMPRESSIONS, (t.game, i, acted)
         assert archived == set(t.experience)
         assert len(t.segments) == t.stats["num_compress"] + 1
     assert at_boundary >= len(kept(played)) // 2
