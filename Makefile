@@ -37,8 +37,10 @@ $(DATA)/.ready: $(STAMP)
 data: $(DATA)/.ready
 
 # `make demo DEMO_ARGS=--quick` for a first look; interrupted, it resumes at the stage it was in.
+# Its stages run one at a time, so torch uses every core (the tests keep one thread per process).
+DEMO_THREADS ?= $(shell nproc 2>/dev/null || echo 1)
 demo: install data
-	ALFWORLD_DATA=$(abspath $(DATA)) $(BIN)/memexrl demo $(DEMO_ARGS)
+	OMP_NUM_THREADS=$(DEMO_THREADS) ALFWORLD_DATA=$(abspath $(DATA)) $(BIN)/memexrl demo $(DEMO_ARGS)
 
 lint: install
 	$(BIN)/ruff check .
