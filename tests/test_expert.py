@@ -28,7 +28,7 @@ from memexrl.memory.parsing import COMPRESS, EXECUTE_ACTION, READ  # noqa: E402
 from memexrl.memory.store import InMemoryStore  # noqa: E402
 from sft.demos import run_expert  # noqa: E402
 from sft.expert import MIN_STEPS_BETWEEN_COMPRESSIONS, anchor_block, failed_compress  # noqa: E402
-from sft.world import action_names, mentions, seen_items  # noqa: E402
+from sft.world import WorldNotes, action_names, mentions, seen_items  # noqa: E402
 
 LOOK_TWICE_GAME = "valid_seen:33"  # the handcoded expert plans `look` again mid-episode here
 PICK_TWO_GAME = "valid_seen:123"  # pick_two_obj: won in 9 steps once the expert hears its puts
@@ -180,11 +180,7 @@ def test_compress_at_boundaries_and_carry_every_index(played, smol_tokenizer):
                 at_boundary += 1
             # the thought gives the real reason: a milestone only MIN_STEPS_BETWEEN_COMPRESSIONS actions on
             if "a good point to compress" in step.assistant and not failed_compress(previous):
-                acted = 0
-                for before in reversed(t.steps[:i]):
-                    if before.compressed:
-                        break
-                    acted += before.tool == EXECUTE_ACTION and not before.format_error and not before.error
+                acted = WorldNotes.from_steps(t.steps[:i]).env_since_compress
                 assert acted >= MIN_STEPS_BETWEEN_COMPRESSIONS, (t.game, i, acted)
         assert archived == set(t.experience)
         assert len(t.segments) == t.stats["num_compress"] + 1
