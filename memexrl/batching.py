@@ -17,6 +17,7 @@ import torch.utils.checkpoint
 
 from memexrl import grpo
 from memexrl.trajectory import Trajectory
+from memexrl.zero3 import is_partitioned
 
 
 @dataclass
@@ -162,7 +163,7 @@ def sequence_logprobs(model, batch: MicroBatch, with_entropy: bool = False, head
     start = int(trained[0]) if len(trained) else L - 2  # first position (predicting token start+1) to keep
     targets = batch.input_ids[:, start + 1 :]  # (B, L-1-start)
     head = output_layer(model)
-    if head_chunk <= 0 or hasattr(head.weight, "ds_id"):  # ds_id: a ZeRO-3 partitioned parameter
+    if head_chunk <= 0 or is_partitioned(head.weight):
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                        logits_to_keep=L - start).logits[:, :-1]  # (B, L-1-start, V)
         logp_all = torch.log_softmax(logits.float(), dim=-1)
@@ -185,12 +186,41 @@ def sequence_logprobs(model, batch: MicroBatch, with_entropy: bool = False, head
     return logp, None if ent is None else torch.nn.functional.pad(ent, (start, 0))
 
 
+def max_over_processes(acc, n: int) -> int:
+    """The largest `n` over the processes (a collective: every process calls it); `n` itself without `acc`."""
+    if acc is None or acc.num_processes == 1:
+        return n
+    return int(acc.reduce(torch.tensor([n], device=acc.device), reduction="max").item())
+
+
+def padding_sample(pad_id: int) -> SegmentSample:
+    """A two-token segment that trains nothing: the forward a process runs when it has no segment left."""
+    return SegmentSample([pad_id, pad_id], [0, 0], [0.0, 0.0], 0.0, 0.0, -1, [0.0], [0.0])
+
+
+def lockstep_micro_batches(samples: list[SegmentSample], micro_batch_size: int, acc=None) -> list[list[SegmentSample]]:
+    """`samples` in micro-batches, padded with empty ones to the most any process has.
+
+    Every process then runs the same number of forwards, which DDP's gradient all-reduce and
+    DeepSpeed ZeRO-3's parameter gathers (collectives inside each forward) need: a process with
+    fewer segments than another runs a padding forward per empty micro-batch (`padding_sample`),
+    instead of leaving the others waiting forever. Ranks hold different numbers of segments
+    whenever their trajectories compressed a different number of times.
+    """
+    chunks = [samples[i : i + micro_batch_size] for i in range(0, len(samples), micro_batch_size)]
+    return chunks + [[] for _ in range(max_over_processes(acc, len(chunks)) - len(chunks))]
+
+
 @torch.no_grad()
 def fill_logprobs(model, samples: list[SegmentSample], micro_batch_size: int, pad_id: int, device,
-                  field: str, head_chunk: int = 0) -> None:
-    """Store the model's per-token log-probs on each sample under `field` (old_logprobs / ref_logprobs)."""
-    for start in range(0, len(samples), micro_batch_size):
-        chunk = samples[start : start + micro_batch_size]
-        logp, _ = sequence_logprobs(model, collate(chunk, pad_id, device), head_chunk=head_chunk)
+                  field: str, head_chunk: int = 0, acc=None) -> None:
+    """Store the model's per-token log-probs on each sample under `field` (old_logprobs / ref_logprobs).
+
+    `acc` (the accelerator, several processes): forwards in lockstep with the other processes
+    (`lockstep_micro_batches`), as ZeRO-3 needs.
+    """
+    for chunk in lockstep_micro_batches(samples, micro_batch_size, acc):
+        logp, _ = sequence_logprobs(model, collate(chunk or [padding_sample(pad_id)], pad_id, device),
+                                    head_chunk=head_chunk)
         for i, s in enumerate(chunk):
             setattr(s, field, logp[i, : len(s.input_ids) - 1].cpu().tolist())

@@ -88,6 +88,18 @@ class Policy:
             self._reference = prepare_deepspeed(self._reference, accelerator)
 
 
+def require_fake_quant(model, group_size: int, what: str) -> list[str]:
+    """`apply_fake_quant`, where covering no weight is an error: the run would train without the INT4
+    weights its rollout engine uses while the config says it does (train.fake_quant_group_size)."""
+    names = apply_fake_quant(model, group_size)
+    if not names:
+        raise MemexError(
+            f"train.fake_quant_group_size={group_size} fake-quantises no weight of {what}: no decoder "
+            f"linear or expert weight has an input size that {group_size} divides (or the weights were not "
+            f"found); pick a group size that divides hidden_size, or set train.fake_quant_group_size=0")
+    return names
+
+
 def lora_config(r: int, alpha: int, dropout: float, target_modules: str):
     """A PEFT LoraConfig for a causal LM; `target_modules` is 'all-linear' or comma-separated names."""
     from peft import LoraConfig
@@ -156,8 +168,8 @@ def load_policy_for_grpo(cfg: Config, resume_from: Path | None = None, export_ba
             model, _ = load_policy(replace(cfg.model, name=str(resume_from)))
         model.requires_grad_(True)
         if group:
-            apply_fake_quant(reference, group)  # frozen: replaced once by its INT4 values
-            apply_fake_quant(model, group)  # trainable: a parametrization, straight-through gradients
+            require_fake_quant(reference, group, "the reference")  # frozen: replaced once by its INT4 values
+            require_fake_quant(model, group, "the policy")  # trainable: a parametrization, straight-through gradients
         policy = Policy(model, tokenizer, finetune, source, reference, fake_quant=group)
     else:
         t = cfg.train
@@ -165,7 +177,7 @@ def load_policy_for_grpo(cfg: Config, resume_from: Path | None = None, export_ba
         if resume_from is not None:
             set_peft_model_state_dict(model, load_file(str(resume_from / "adapter_model.safetensors")))
         if group:
-            apply_fake_quant(model, group)  # the frozen base; LoRA adds its delta outside it (path A)
+            require_fake_quant(model, group, "the LoRA base")  # frozen; LoRA adds its delta outside it (path A)
         policy = Policy(model, tokenizer, finetune, source)
     policy.rollout_model_dir = rollout_dir
     if cfg.train.gradient_checkpointing:

@@ -50,6 +50,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from memexrl.errors import MemexError
+from memexrl.zero3 import full_shape, gathered, is_partitioned
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,15 @@ def apply_fake_quant(
     ``save_pretrained``; ``parametrize.cached()`` around a step avoids recomputing fused experts).
     A frozen weight (the base under PEFT LoRA, whose delta is added outside it) is replaced once,
     in place, by its fake-quant value: same forward, no cost per step. Call after ``get_peft_model``.
+
+    DeepSpeed ZeRO-3 (``zero3_init_flag``) partitions the weights at load: each process holds a
+    flat shard and the tensor's shape is (0,). Targets are then chosen by the full shape DeepSpeed
+    records (``ds_shape``); a trainable weight's parametrization is registered without evaluating
+    it (its consistency check would run on the empty shard) and is evaluated inside the forward,
+    where DeepSpeed has gathered it (the ``ParametrizationList`` is a module of its own, with the
+    latent weight as its parameter, so DeepSpeed's hooks gather it and reduce its gradient); a
+    frozen weight is gathered, replaced on rank 0 and partitioned again (a collective: every
+    process calls this in the same order, as the trainer does).
     """
     _check_group(None, group_size)
     found = []
@@ -159,22 +169,24 @@ def apply_fake_quant(
             continue
         for p_name, param in list(module.named_parameters(recurse=False)):
             name = f"{mod_name}.{p_name}"
+            shape = full_shape(param)  # ZeRO-3: the full shape, not the shard's
             is_linear = isinstance(module, nn.Linear) and p_name == "weight"
             if (
-                (is_linear or param.dim() == 3)
+                (is_linear or len(shape) == 3)
                 and param.is_floating_point()
                 and not parametrize.is_parametrized(module, p_name)
-                and is_quant_target(name, param.shape, group_size, experts_only)
+                and is_quant_target(name, shape, group_size, experts_only)
             ):
                 found.append((module, p_name, name, param))
     for module, p_name, _, param in found:
         if param.requires_grad:
-            parametrize.register_parametrization(module, p_name, FakeQuant(group_size))
+            parametrize.register_parametrization(module, p_name, FakeQuant(group_size), unsafe=is_partitioned(param))
         else:
-            with torch.no_grad():
+            with gathered([param], modifier_rank=0), torch.no_grad():
                 param.copy_(fake_quant(param, group_size))
     logger.info("INT4 fake-quant (group %d) on %d weight tensors", group_size, len(found))
     return [name for _, _, name, _ in found]
+
 
 
 def remove_fake_quant(model: nn.Module) -> int:

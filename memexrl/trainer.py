@@ -27,6 +27,7 @@ of full fine-tuning is sharded too (finetune.py). Checkpoints gather the weights
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -113,9 +114,38 @@ def rollout(step: int, games: list[str], engine, policy: Policy, envs, cfg: Conf
     return trajs, groups
 
 
+def release_cached_memory() -> None:
+    """Give the blocks PyTorch's caching allocator keeps after the update back to the GPU driver.
+
+    A colocated vLLM's `wake_up` reallocates its weights and KV cache outside PyTorch's cache: without
+    this, the update's freed activations stay reserved and the wake-up can run out of memory (TRL's
+    colocate mode empties the cache the same way). A no-op where CUDA was never initialised.
+    """
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def deepspeed_launched() -> bool:
     """True under `accelerate launch` with a DeepSpeed config (accelerate's own environment flag)."""
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def make_accelerator(cfg: Config):
+    """The run's `accelerate.Accelerator`.
+
+    DeepSpeed also runs on the CPU, on the gloo backend, but accelerate drops it when asked for
+    cpu=True and finds no backend of its own without a GPU (it would then report one process).
+    So a DeepSpeed launch without CUDA names gloo: `accelerate launch --num_processes 2` with a
+    ZeRO config then runs two real ranks on a CPU (tests/test_distributed.py).
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    handlers = []
+    if deepspeed_launched() and not torch.cuda.is_available():
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    cpu = (cfg.model.device == "cpu" or not torch.cuda.is_available()) and not deepspeed_launched()
+    return Accelerator(cpu=cpu, mixed_precision=cfg.train.mixed_precision, kwargs_handlers=handlers)
 
 
 def configure_deepspeed(acc, t) -> int:
@@ -154,14 +184,10 @@ class Trainer:
     """Holds what lives across steps: accelerator, policy, optimizer, scheduler, sampler, logger."""
 
     def __init__(self, cfg: Config, resume: str | None = None):
-        from accelerate import Accelerator
-
         self.cfg = cfg
         t = cfg.train
         self.run_dir = Path(t.output_dir)
-        # DeepSpeed also runs on the CPU (gloo), but accelerate drops it when asked for cpu=True.
-        cpu = (cfg.model.device == "cpu" or not torch.cuda.is_available()) and not deepspeed_launched()
-        self.accelerator = Accelerator(cpu=cpu, mixed_precision=t.mixed_precision)
+        self.accelerator = make_accelerator(cfg)
         self.zero_stage = configure_deepspeed(self.accelerator, t)
         world = self.accelerator.num_processes
         if t.tasks_per_step % world or t.global_batch_size % world:
@@ -239,7 +265,7 @@ class Trainer:
 
     def prepare_samples(self, trajs, groups, step: int, metrics: dict) -> tuple[list[list], list[float]]:
         """Score, advantages, segments -> per-update SegmentSample lists (with old/ref log-probs), advantages."""
-        t, acc, policy = self.cfg.train, self.accelerator, self.policy
+        t = self.cfg.train
         r = self.cfg.reward
         for traj in trajs:
             score_trajectory(traj, self.cfg.memory.threshold, r.lambda_ctx, r.lambda_red, r.lambda_fmt)
@@ -257,22 +283,27 @@ class Trainer:
             for s in samples:
                 s.weight *= scale
             per_update.append(samples)
-        pad = pad_id(policy.tokenizer)
         every = [s for samples in per_update for s in samples]
+        self.fill_logprobs(every)
+        metrics["num_samples"] = len(every)
+        return per_update, advantages
+
+    def fill_logprobs(self, samples: list) -> None:
+        """Old log-probs (the trainer's, under the weights that generated the rollouts: TIS, PPO ratio) and
+        reference log-probs (KL) of this process's segments, in lockstep with the other processes."""
+        t, acc, policy = self.cfg.train, self.accelerator, self.policy
+        pad = pad_id(policy.tokenizer)
         model = acc.unwrap_model(self.model)
         model.eval()
-        # Old log-probs: the trainer's, under the weights that generated the rollouts (TIS, PPO ratio).
         if t.recompute_old_logprobs:
-            fill_logprobs(model, every, t.micro_batch_size, pad, acc.device, "old_logprobs", t.head_chunk_size)
+            fill_logprobs(model, samples, t.micro_batch_size, pad, acc.device, "old_logprobs", t.head_chunk_size, acc)
         else:
-            for s in every:
+            for s in samples:
                 s.old_logprobs = s.rollout_logprobs[1:]
         if t.kl_coef > 0:
             with policy.reference_context():
-                fill_logprobs(policy.reference_module(), every, t.micro_batch_size, pad, acc.device, "ref_logprobs",
-                              t.head_chunk_size)
-        metrics["num_samples"] = len(every)
-        return per_update, advantages
+                fill_logprobs(policy.reference_module(), samples, t.micro_batch_size, pad, acc.device, "ref_logprobs",
+                              t.head_chunk_size, acc)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> Path:
@@ -294,6 +325,7 @@ class Trainer:
                 engine.sleep()  # a colocated vLLM hands its GPU memory to the update
                 per_update, advantages = self.prepare_samples(trajs, groups, step, metrics)
                 self.update(per_update, metrics)
+                release_cached_memory()  # before vLLM takes its weights and KV cache back
                 engine.wake_up()
                 engine.sync_weights(acc.unwrap_model(self.model))  # an external engine (vLLM) gets the weights here
                 metrics["train_s"] = time.perf_counter() - t1

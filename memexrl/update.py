@@ -15,25 +15,18 @@ the last micro-batch, instead of being counted by `accelerator.accumulate` or by
 from __future__ import annotations
 
 import contextlib
-import math
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from memexrl import grpo
-from memexrl.batching import SegmentSample, collate, sequence_logprobs
+from memexrl.batching import SegmentSample, collate, lockstep_micro_batches, padding_sample, sequence_logprobs
 from memexrl.config import TrainSection
 
 
 def pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-
-
-def max_over_processes(acc, n: int) -> int:
-    if acc.num_processes == 1:
-        return n
-    return int(acc.reduce(torch.tensor([n], device=acc.device), reduction="max").item())
 
 
 def uses_deepspeed(acc) -> bool:
@@ -68,10 +61,6 @@ def _grad_norm(acc, params: list[torch.nn.Parameter], max_norm: float) -> float:
     return float("nan") if norm is None else float(norm)
 
 
-def _padding_sample(pad: int) -> SegmentSample:
-    return SegmentSample([pad, pad], [0, 0], [0.0, 0.0], 0.0, 0.0, -1, [0.0], [0.0])
-
-
 def update_policy(model, optimizer, scheduler, acc, samples_per_update: list[list[SegmentSample]], t: TrainSection,
                   tokenizer, params: list[torch.nn.Parameter]) -> dict[str, float]:
     """One optimizer step per minibatch of segments, gradients accumulated over micro-batches.
@@ -86,19 +75,18 @@ def update_policy(model, optimizer, scheduler, acc, samples_per_update: list[lis
     bar = tqdm(total=sum(len(s) for s in samples_per_update), desc="update", leave=False,
                disable=not acc.is_main_process)
     for samples in samples_per_update:
-        n_micro = max_over_processes(acc, math.ceil(len(samples) / t.micro_batch_size))
-        if n_micro == 0:  # every group of this minibatch tied: no signal, but the LR schedule advances
+        chunks = lockstep_micro_batches(samples, t.micro_batch_size, acc)
+        if not chunks:  # every group of this minibatch tied: no signal, but the LR schedule advances
             scheduler.step()
             continue
         model.train()
         optimizer.zero_grad()
-        for j in range(n_micro):
-            chunk = samples[j * t.micro_batch_size : (j + 1) * t.micro_batch_size]
+        for j, chunk in enumerate(chunks):
             dummy = not chunk  # this process has fewer micro-batches: a zero-weight pass keeps DDP in step
-            batch = collate(chunk or samples[:1] or [_padding_sample(pad)], pad, acc.device)
+            batch = collate(chunk or samples[:1] or [padding_sample(pad)], pad, acc.device)
             if dummy:
                 batch.weights.zero_()
-            with _boundary(acc, model, last=j == n_micro - 1):
+            with _boundary(acc, model, last=j == len(chunks) - 1):
                 logp, ent = sequence_logprobs(model, batch, with_entropy=t.entropy_coef > 0,
                                              head_chunk=t.head_chunk_size)
                 tok_loss, parts = grpo.token_loss(

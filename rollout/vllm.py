@@ -57,7 +57,6 @@ Weight sync after each update (`sync_weights(model)`):
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -74,6 +73,7 @@ from pathlib import Path
 from memexrl.agent import Completion
 from memexrl.errors import MemexError
 from memexrl.quantize import FakeQuant, Int4Layout, fake_quant, int4_layout, pack_weight
+from memexrl.zero3 import gathered, is_partitioned
 from rollout.engines import Engine, GenerationRequest
 
 EXTENSION = "rollout.vllm.WorkerWeightSync"
@@ -168,29 +168,18 @@ def checkpoint_state_dict(model, int4: Int4Layout | None = None) -> dict:
     return requantize(state, int4) if int4 is not None else state
 
 
-def gathered(params):
-    """Context in which DeepSpeed ZeRO-3 partitioned `params` are whole on every process (a collective:
-    every process enters it together); a no-op for ordinary parameters."""
-    params = [p for p in params if hasattr(p, "ds_id")]
-    if not params:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-
-
 def full_state_dict(model) -> dict:
     """`model.state_dict()`, with ZeRO-3 partitioned parameters gathered one at a time into host copies
     (so the host holds one full copy of the weights per process during a sync, the GPU one tensor more);
     a tied parameter appears once."""
     state = model.state_dict()
     params = dict(model.named_parameters(remove_duplicate=False))
-    if not any(hasattr(p, "ds_id") for p in params.values()):
+    if not any(is_partitioned(p) for p in params.values()):
         return state
     out, done = {}, set()
     for k, v in state.items():
         p = params.get(k)
-        if p is None or not hasattr(p, "ds_id"):
+        if p is None or not is_partitioned(p):
             out[k] = v
         elif id(p) not in done:
             done.add(id(p))

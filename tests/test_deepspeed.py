@@ -11,36 +11,25 @@ minibatch, the same clipping.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from ranks import REPO, accelerate_launch, rank_env
 from test_trainer import adapter, overrides
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def launch(config: str | None, args: list[str], alfworld_data) -> subprocess.CompletedProcess:
     """`accelerate launch` with configs/accelerate/CONFIG in one process, or the plain CLI when None."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ALFWORLD_DATA": str(alfworld_data), "WANDB_MODE": "disabled",
-           "DS_BUILD_OPS": "0"}
-    launcher = ["-m", "accelerate.commands.launch", "--config_file", f"configs/accelerate/{config}",
-                "--num_processes", "1", "--main_process_port", str(free_port())] if config else []
-    cmd = [sys.executable, *launcher, "-m", "memexrl.cli", "train", "--config", "configs/tiny-cpu.yaml", *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    program = ["-m", "memexrl.cli", "train", "--config", "configs/tiny-cpu.yaml", *args]
+    cmd = accelerate_launch(config, 1, program) if config else [sys.executable, *program]
+    return subprocess.run(cmd, cwd=REPO, env=rank_env(ALFWORLD_DATA=str(alfworld_data)), capture_output=True,
+                          text=True, timeout=900)
 
 
 def args_for(model: str, run_dir: Path, steps: int) -> list[str]:

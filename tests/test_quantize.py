@@ -188,6 +188,19 @@ def test_apply_fake_quant_under_lora_quantises_only_the_frozen_base():
     assert q_proj.lora_A["default"].weight.grad is not None and q_proj.base_layer.weight.grad is None
 
 
+def test_a_fake_quant_that_covers_no_weight_stops_the_run():
+    """train.fake_quant_group_size set but matching nothing would train without the rollout engine's INT4 weights."""
+    from memexrl.config import load_config
+    from memexrl.finetune import load_policy_for_grpo
+
+    for finetune in ("full", "lora"):
+        cfg = load_config("configs/tiny-cpu.yaml", [
+            f"model.name={model_zoo.TINY_MOE_ALIAS}", "train.init_checkpoint=", f"train.finetune={finetune}",
+            "train.fake_quant_group_size=48"])  # 48 divides no input size of the tiny Qwen3-MoE (64, 32)
+        with pytest.raises(MemexError, match="fake_quant_group_size=48 fake-quantises no weight"):
+            load_policy_for_grpo(cfg)
+
+
 def test_quantize_checkpoint_tiny(tiny_dir, tmp_path):
     out = tmp_path / "int4"
     result = quantize_checkpoint(tiny_dir, out, group_size=32)

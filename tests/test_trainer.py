@@ -43,9 +43,16 @@ def adapter(run_dir, step: int) -> dict[str, torch.Tensor]:
 def test_run_directory_metrics_and_checkpoint(tiny_eos_model, tmp_path, alfworld_data, monkeypatch):
     monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_data))
     monkeypatch.setenv("WANDB_MODE", "offline")
+    from rollout.hf_engine import TransformersEngine
+
+    calls = []  # a colocated vLLM wakes up into memory PyTorch's cache has given back
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(TransformersEngine, "wake_up", lambda self: calls.append("wake_up"))
     run_dir = tmp_path / "run"
     assert run(overrides(tiny_eos_model, run_dir, **{"train.steps": 2, "train.save_steps": 1,
                                                      "train.wandb": True})) == 0
+    assert calls.count("wake_up") == 2
+    assert all(calls[i - 1] == "empty_cache" for i, call in enumerate(calls) if call == "wake_up")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     design_keys = {"step", "success_rate", "reward_mean", "penalty_context", "penalty_redundancy", "penalty_format",
