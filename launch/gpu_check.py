@@ -265,9 +265,9 @@ def run_training(args, cfg, report: Report) -> dict:
     seen: dict = {"rollouts": [], "engine": None}
     make_engine, rollout = trainer_mod.make_engine, trainer_mod.rollout
 
-    def timed_make_engine(policy, config):
+    def timed_make_engine(policy, config, accelerator=None):
         t0 = time.perf_counter()
-        engine = make_engine(policy, config)
+        engine = make_engine(policy, config, accelerator)
         seen["engine"], seen["engine_s"] = engine, time.perf_counter() - t0
         report.add("engine start", seen["engine_s"], True,
                    f"{type(engine).__name__} ({config.rollout.engine}"

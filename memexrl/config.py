@@ -168,7 +168,12 @@ class SFTSection:
     lora_r: int = _help("LoRA rank.", 16)
     lora_alpha: int = _help("LoRA alpha.", 32)
     lora_dropout: float = _help("LoRA dropout.", 0.05)
-    lora_target_modules: str = _help("Comma-separated module names, or 'all-linear'.", "all-linear")
+    lora_target_modules: str = _help(
+        "'auto' (per architecture, what vLLM serves: every decoder linear of a dense model, the attention "
+        "projections of an MoE model; never the router: memexrl/lora.py), 'all-linear' (PEFT's), or "
+        "comma-separated module names.",
+        "auto",
+    )
     logging_steps: int = _help("Log metrics every N optimizer steps.", 5)
     save_steps: int = _help("Checkpoint every N optimizer steps (the last step is always saved).", 200)
     eval_steps: int = _help("Validation loss every N steps (0: only at the end).", 0)
@@ -241,7 +246,12 @@ class TrainSection:
     )
     lora_r: int = _help("LoRA rank.", 16)
     lora_alpha: int = _help("LoRA alpha.", 32)
-    lora_target_modules: str = _help("Comma-separated module names, or 'all-linear'.", "all-linear")
+    lora_target_modules: str = _help(
+        "'auto' (per architecture, what vLLM serves: every decoder linear of a dense model, the attention "
+        "projections of an MoE model; never the router: memexrl/lora.py), 'all-linear' (PEFT's), or "
+        "comma-separated module names.",
+        "auto",
+    )
     gradient_checkpointing: bool = _help("Trade compute for memory (long segments on GPUs).", False)
     head_chunk_size: int = _help(
         "Positions per slice of the output layer + log-softmax in the update and the old/ref log-probs, "

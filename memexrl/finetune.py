@@ -30,6 +30,7 @@ import torch
 
 from memexrl.config import Config
 from memexrl.errors import MemexError
+from memexrl.lora import lora_config, unservable_adapters
 from memexrl.models import adapter_base, load_policy
 from memexrl.quantize import apply_fake_quant, remove_fake_quant
 from memexrl.train_state import newest_checkpoint
@@ -100,14 +101,6 @@ def require_fake_quant(model, group_size: int, what: str) -> list[str]:
     return names
 
 
-def lora_config(r: int, alpha: int, dropout: float, target_modules: str):
-    """A PEFT LoraConfig for a causal LM; `target_modules` is 'all-linear' or comma-separated names."""
-    from peft import LoraConfig
-
-    targets = target_modules if target_modules == "all-linear" else target_modules.split(",")
-    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
-
-
 def init_source(cfg: Config) -> str:
     """Where RL starts: train.init_checkpoint (a checkpoint, or a run dir: its newest one) or model.name."""
     src = cfg.train.init_checkpoint or cfg.model.name
@@ -173,7 +166,13 @@ def load_policy_for_grpo(cfg: Config, resume_from: Path | None = None, export_ba
         policy = Policy(model, tokenizer, finetune, source, reference, fake_quant=group)
     else:
         t = cfg.train
-        model = get_peft_model(model, lora_config(t.lora_r, t.lora_alpha, 0.0, t.lora_target_modules))
+        model = get_peft_model(model, lora_config(model, t.lora_r, t.lora_alpha, 0.0, t.lora_target_modules))
+        unservable = unservable_adapters(model)
+        if unservable and cfg.rollout.engine == "vllm":
+            raise MemexError(
+                f"train.lora_target_modules={t.lora_target_modules} puts LoRA adapters on {len(unservable)} router or "
+                f"expert modules (e.g. {unservable[0]}), which vLLM cannot serve: use train.lora_target_modules=auto "
+                f"(memexrl/lora.py) or name the attention projections")
         if resume_from is not None:
             set_peft_model_state_dict(model, load_file(str(resume_from / "adapter_model.safetensors")))
         if group:

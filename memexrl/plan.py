@@ -25,6 +25,7 @@ import yaml
 
 from memexrl.config import Config, TrainSection
 from memexrl.errors import MemexError
+from memexrl.lora import count_lora_parameters, resolve_targets
 
 GIB = 1024**3
 
@@ -101,6 +102,7 @@ class ModelNumbers:
     linear: int | None  # weights of nn.Linear layers (what QLoRA stores in 4 bits); None: unknown
     lora: int | None  # LoRA adapter parameters for train.lora_r / lora_target_modules; None: unknown
     source: str
+    lora_targets: str = ""  # the modules train.lora_target_modules resolves to on this architecture
 
 
 def _find_config(name: str, cache: str):
@@ -135,12 +137,6 @@ def _find_config(name: str, cache: str):
     return None, ""
 
 
-def _lora_targets(name: str, targets: str) -> bool:
-    if targets == "all-linear":
-        return not name.endswith("lm_head")  # PEFT's all-linear leaves the output layer out
-    return name.rsplit(".", 1)[-1] in {t.strip() for t in targets.split(",")}
-
-
 def model_numbers(cfg: Config, params: int | None = None) -> ModelNumbers:
     """Count parameters from the config on the meta device (no weights are read)."""
     import torch
@@ -155,13 +151,14 @@ def model_numbers(cfg: Config, params: int | None = None) -> ModelNumbers:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     total = sum(p.numel() for p in model.parameters())
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    linear = sum(m.weight.numel() for _, m in linears)
-    r = cfg.train.lora_r
-    lora = sum(r * (m.in_features + m.out_features) for n, m in linears if _lora_targets(n, cfg.train.lora_target_modules))
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    t = cfg.train
+    targets = resolve_targets(model, t.lora_target_modules)
+    lora = count_lora_parameters(model, t.lora_r, t.lora_alpha, t.lora_target_modules)  # PEFT on the meta model
+    shown = targets if isinstance(targets, str) else ",".join(targets)
     if params:
-        return ModelNumbers(params, linear, lora, f"--params (architecture from {source})")
-    return ModelNumbers(total, linear, lora, source)
+        return ModelNumbers(params, linear, lora, f"--params (architecture from {source})", shown)
+    return ModelNumbers(total, linear, lora, source, shown)
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -255,7 +252,9 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         if plan.zero_stage >= 0 else "no DeepSpeed (plain accelerate)"
     lines = [
         f"model               {cfg.model.name} ({cfg.model.dtype}), finetune {t.finetune}"
-        + (f" (LoRA r={t.lora_r}, {t.lora_target_modules})" if t.finetune != "full" else ""),
+        + (f" (LoRA r={t.lora_r}, {t.lora_target_modules}"
+           + (f": {plan.numbers.lora_targets}" if plan.numbers and plan.numbers.lora_targets != t.lora_target_modules
+              else "") + ")" if t.finetune != "full" else ""),
         f"processes           {plan.processes} [{plan.processes_source}], {stage}",
         f"rollouts per step   {plan.rollouts_per_step} = {t.tasks_per_step} tasks x G {t.group_size}; "
         f"per process {plan.tasks_per_process} tasks = {plan.rollouts_per_process} rollouts",

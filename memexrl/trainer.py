@@ -84,20 +84,22 @@ def updates_per_step(cfg: Config) -> int:
     return cfg.train.tasks_per_step * cfg.train.group_size // cfg.train.global_batch_size
 
 
-def make_engine(policy: Policy, cfg: Config):
-    """The rollout engine: the transformers engine on the trained module itself, or vLLM (rollout/vllm.py)."""
+def make_engine(policy: Policy, cfg: Config, accelerator=None):
+    """The rollout engine: the transformers engine on the trained module itself, or vLLM (rollout/vllm.py),
+    one colocated engine per process, on that process's GPU."""
     r = cfg.rollout
     if r.engine != "vllm":
         return TransformersEngine(policy.model, policy.tokenizer, temperature=r.temperature, top_p=r.top_p,
                                   top_k=r.top_k, batch_size=r.batch_size, seed=cfg.seed)
     from memexrl.model_zoo import resolve_model_path
-    from rollout.vllm import make_vllm_engine
+    from rollout.vllm import Ranks, make_vllm_engine
 
     model_dir = r.vllm_model or resolve_model_path(policy.rollout_model_dir, cfg.model.cache_dir)
     engine = make_vllm_engine(
         cfg, model_dir, policy.tokenizer, server_url=r.vllm_server_url or None,
         lora_rank=cfg.train.lora_r if policy.uses_adapter else 0, max_model_len=r.max_context_tokens,
         gpu_memory_utilization=r.vllm_gpu_memory_utilization, dtype=cfg.model.dtype,
+        ranks=Ranks.of(accelerator) if accelerator is not None else Ranks(),
     )
     engine.sync_weights(policy.model)  # the starting adapter (or resumed weights)
     return engine
@@ -312,7 +314,7 @@ class Trainer:
         last = None
         if t.max_episode_steps:
             cfg = replace(cfg, env=replace(cfg.env, max_steps=t.max_episode_steps))
-        engine = make_engine(self.policy, cfg)
+        engine = make_engine(self.policy, cfg, acc)
         with open_envs(cfg) as envs:
             for step in range(self.start_step + 1, t.steps + 1):
                 metrics: dict = {"step": step}

@@ -68,6 +68,7 @@ import urllib.error
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from memexrl.agent import Completion
@@ -396,11 +397,64 @@ class VLLMEngine(Engine):
             self.llm.reset_prefix_cache()
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """Where this training process stands: its global rank, its rank on the machine, the number of processes."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def of(cls, accelerator) -> Ranks:
+        return cls(accelerator.process_index, accelerator.local_process_index, accelerator.num_processes)
+
+
+def colocated_llm_kwargs(cfg, ranks: Ranks, lora_rank: int, sleep_mode: bool, accepted: set[str],
+                         **llm_kwargs) -> dict:
+    """The keyword arguments of this process's colocated `vllm.LLM` (the ones the installed vLLM accepts).
+
+    Several training processes (accelerate / DeepSpeed launch): each builds its own engine, as TRL's
+    colocate mode does, with `distributed_executor_backend="external_launcher"`: vLLM then joins the
+    process group the trainer started and places its single worker on `cuda:LOCAL_RANK`, so rank r's
+    engine lives on rank r's GPU (vLLM's default executor puts every process's engine on GPU 0).
+    Tensor parallelism is 1: every rank serves its own episodes (the INT4 Qwen3-30B-A3B, 15.5 GiB, fits
+    one GPU); a model that needs several GPUs per engine goes to a vLLM server (rollout.vllm_server_url),
+    because ranks of one tensor-parallel engine would have to generate in lockstep, and each rank's
+    multi-turn episodes end after different numbers of rounds. One process: vLLM's own executor.
+    """
+    kwargs = {"dtype": cfg.model.dtype, "seed": cfg.seed, "worker_extension_cls": EXTENSION,
+              "logprobs_mode": "raw_logprobs"}
+    if sleep_mode:
+        kwargs["enable_sleep_mode"] = True
+    if lora_rank:
+        kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
+    if ranks.world_size > 1:
+        kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
+    kwargs.update(llm_kwargs)
+    if ranks.world_size > 1 and kwargs.get("tensor_parallel_size", 1) != 1:
+        raise MemexError(
+            f"colocated vLLM with {ranks.world_size} training processes runs one engine per process "
+            f"(tensor_parallel_size 1); for tensor parallelism serve the model (launch/vllm-server.sh) and set "
+            f"rollout.vllm_server_url")
+    return {k: v for k, v in kwargs.items() if k in accepted}
+
+
+def launcher_environment(ranks: Ranks, env=os.environ) -> None:
+    """The torchrun variables vLLM's external launcher reads (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT),
+    set from the trainer's own ranks: a launcher that did not export them (DeepSpeed's, SLURM) still works."""
+    env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"] = str(ranks.rank), str(ranks.local_rank), str(ranks.world_size)
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", "29500")
+
+
 def make_vllm_engine(cfg, model_dir: str, tokenizer, *, server_url: str | None = None, served_model: str = "",
-                     lora_rank: int = 0, **llm_kwargs) -> VLLMEngine:
+                     lora_rank: int = 0, ranks: Ranks = Ranks(), **llm_kwargs) -> VLLMEngine:
     """A VLLMEngine from the config: server mode when `server_url` is given, else a colocated LLM.
 
     `lora_rank` > 0 enables LoRA adapters of that rank (pass cfg.train.lora_r for finetune lora/qlora).
+    `ranks`: this process among the training processes (`Ranks.of(accelerator)`); with more than one,
+    each process's engine goes on its own GPU (`colocated_llm_kwargs`).
     Extra keyword arguments go to `vllm.LLM` (gpu_memory_utilization, max_model_len, dtype...).
     """
     r = cfg.rollout
@@ -413,17 +467,11 @@ def make_vllm_engine(cfg, model_dir: str, tokenizer, *, server_url: str | None =
     from vllm import LLM
     from vllm.platforms import current_platform
 
-    kwargs = {"dtype": cfg.model.dtype, "seed": cfg.seed, "worker_extension_cls": EXTENSION}
-    if "logprobs_mode" in _engine_args():
-        kwargs["logprobs_mode"] = "raw_logprobs"
     sleep_ok = getattr(current_platform, "is_sleep_mode_available", lambda: False)()
-    if sleep_ok:
-        kwargs["enable_sleep_mode"] = True
-    if lora_rank:
-        kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
-    kwargs.update(llm_kwargs)
     accepted = _engine_args() | set(inspect.signature(LLM.__init__).parameters)
-    kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+    kwargs = colocated_llm_kwargs(cfg, ranks, lora_rank, sleep_ok, accepted, **llm_kwargs)
+    if ranks.world_size > 1:
+        launcher_environment(ranks)
     llm = LLM(model=str(model_dir), **kwargs)
     return VLLMEngine(tokenizer, llm=llm, sleep_mode=bool(kwargs.get("enable_sleep_mode")), model_dir=str(model_dir),
                       **common)

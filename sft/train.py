@@ -16,7 +16,7 @@ from typing import Any
 
 from memexrl.config import Config
 from memexrl.errors import MemexError
-from memexrl.finetune import lora_config
+from memexrl.lora import lora_config
 from memexrl.models import load_policy, resolve_device
 from memexrl.seeding import seed_everything
 from memexrl.train_log import import_wandb
@@ -84,7 +84,7 @@ def run_sft(cfg: Config) -> Path:
     on_cpu = resolve_device(cfg.model.device).type == "cpu"
     if on_cpu and s.bf16:
         raise MemexError("sft.bf16=true needs a GPU; set sft.bf16=false on the CPU")
-    peft_config = lora_config(s.lora_r, s.lora_alpha, s.lora_dropout, s.lora_target_modules) if s.lora else None
+    peft_config = lora_config(model, s.lora_r, s.lora_alpha, s.lora_dropout, s.lora_target_modules) if s.lora else None
     has_val = "validation" in data
     args = SFTConfig(
         output_dir=str(run_dir / "trainer"),

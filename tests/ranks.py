@@ -64,3 +64,26 @@ def launch_ranks(config: str, processes: int, program: list[str], timeout: float
     done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert done.returncode == 0, done.stderr[-5000:]
     return done
+
+
+def spawn_ranks(processes: int, argv: list[str], timeout: float = 300, **env: str) -> list[str]:
+    """Start `python argv...` as `processes` ranks with the torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT), for code that starts the process group itself; returns each rank's output. Raises
+    AssertionError when a rank fails or they do not all finish in `timeout` seconds."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=rank_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(processes),
+                                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **env))
+             for r in range(processes)]
+    outputs = []
+    try:
+        for rank, proc in enumerate(procs):
+            out, _ = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, f"rank {rank} failed:\n{out[-5000:]}"
+            outputs.append(out)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{processes} ranks did not finish in {timeout:.0f} s: {' '.join(argv)}") from None
+    finally:
+        for proc in procs:
+            kill_tree(proc.pid) if proc.poll() is None else None
+    return outputs

@@ -79,7 +79,7 @@ def test_parameter_count_of_qwen3_30b_a3b_without_weights():
     cfg = load_config("configs/paper-8gpu.yaml", ["train.finetune=lora"])
     n = model_numbers(cfg)
     assert n.total == 30_532_122_624  # 30.5B, the model card's total
-    # LoRA r=16 on q/k/v/o of 48 layers (the MoE experts are fused tensors, not nn.Linear)
+    # LoRA r=16 on q/k/v/o of 48 layers (train.lora_target_modules=auto on an MoE model: attention only)
     assert n.lora == 48 * 16 * (2 * (2048 + 4096) + 2 * (2048 + 512))
     assert model_numbers(cfg, params=123).total == 123
 

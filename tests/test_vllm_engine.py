@@ -107,6 +107,26 @@ def test_stops_at_end_of_turn_token(engine):
     assert c.token_ids == ids[: stop_at + 1] and c.finish_reason == "stop"  # the stop token is kept
 
 
+def test_two_training_ranks_each_run_their_own_engine(engine, tiny, tmp_path):
+    """Two trainer processes in one gloo group, each with its colocated engine (vLLM's external launcher, which
+    on GPUs puts rank r's worker on cuda:LOCAL_RANK): each generates what one engine alone generates."""
+    import json
+
+    from ranks import spawn_ranks
+    from vllm_rank_worker import PROMPTS
+
+    path, _, _ = tiny
+    spawn_ranks(2, ["tests/vllm_rank_worker.py", path, str(tmp_path)], timeout=600, HF_HUB_OFFLINE="1",
+                VLLM_CPU_KVCACHE_SPACE="1")
+    alone = greedy(engine, [GenerationRequest(f"alone{r}", p, 6) for r, p in enumerate(PROMPTS)])
+    for rank in range(2):
+        record = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert record["executor"] == "external_launcher"
+        assert record["token_ids"] == alone[rank].token_ids
+        torch.testing.assert_close(torch.tensor(record["logprobs"]), torch.tensor(alone[rank].logprobs),
+                                   rtol=1e-4, atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def dense(tiny, tmp_path_factory):
     """A tiny random dense Qwen3 with an untied lm_head, for weight sync. vLLM-CPU's in-place reload
