@@ -116,7 +116,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.dry_run:
         from memexrl.plan import dry_run
 
-        print(dry_run(cfg, args.num_processes, args.accelerate_config, args.params))
+        text, fits = dry_run(cfg, args.num_processes, args.accelerate_config, args.params, gpu_gib=args.gpu_memory_gib)
+        print(text)
+        if fits is False and not args.force:
+            raise MemexError("the plan does not fit the GPU memory (above: what would); --force to plan past it")
         return
     from memexrl.trainer import train
 
@@ -240,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--dry-run: accelerate config to plan for (processes, DeepSpeed ZeRO stage)")
     tra.add_argument("--params", type=int, default=None, metavar="N",
                      help="--dry-run: parameter count when the model's config.json is not available offline")
+    tra.add_argument("--gpu-memory-gib", type=float, default=None, metavar="GIB",
+                     help="--dry-run: memory of one GPU to check the plan against (default: the visible GPU's)")
+    tra.add_argument("--force", action="store_true",
+                     help="--dry-run: exit 0 even when the plan does not fit the GPU memory")
     tra.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
     tra.set_defaults(func=cmd_train)
 

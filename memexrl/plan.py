@@ -18,14 +18,16 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
 
 from memexrl.config import Config, TrainSection
 from memexrl.errors import MemexError
+from memexrl.gpu_budget import Architecture, Budget, Offload, budget, format_budget, minimum_share
 from memexrl.lora import count_lora_parameters, resolve_targets
+from memexrl.quantize import is_quant_target
 
 GIB = 1024**3
 
@@ -103,6 +105,7 @@ class ModelNumbers:
     lora: int | None  # LoRA adapter parameters for train.lora_r / lora_target_modules; None: unknown
     source: str
     lora_targets: str = ""  # the modules train.lora_target_modules resolves to on this architecture
+    arch: Architecture | None = None  # what activations and vLLM's memory depend on; None: unknown
 
 
 def _find_config(name: str, cache: str):
@@ -156,9 +159,24 @@ def model_numbers(cfg: Config, params: int | None = None) -> ModelNumbers:
     targets = resolve_targets(model, t.lora_target_modules)
     lora = count_lora_parameters(model, t.lora_r, t.lora_alpha, t.lora_target_modules)  # PEFT on the meta model
     shown = targets if isinstance(targets, str) else ",".join(targets)
+    arch = architecture(config, model)
     if params:
-        return ModelNumbers(params, linear, lora, f"--params (architecture from {source})", shown)
-    return ModelNumbers(total, linear, lora, source, shown)
+        return ModelNumbers(params, linear, lora, f"--params (architecture from {source})", shown, arch)
+    return ModelNumbers(total, linear, lora, source, shown, arch)
+
+
+def architecture(config, model) -> Architecture:
+    """Layers, widths and the sizes of the checkpoints vLLM would serve, from the config and the meta model."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    int4 = bf16 = 0
+    for name, p in model.named_parameters():
+        bf16 += 2 * p.numel()
+        int4 += p.numel() * (0.5 + 2 / 128) if is_quant_target(name, p.shape, 128) else 2 * p.numel()
+    return Architecture(layers=config.num_hidden_layers, hidden=config.hidden_size, vocab=config.vocab_size,
+                        kv_bytes_per_token=2 * config.num_hidden_layers * kv_heads * head_dim * 2,
+                        int4_bytes=int(int4), bf16_bytes=bf16)
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -218,11 +236,18 @@ class Plan:
     numbers: ModelNumbers | None
     weight_bytes: int
     memory: dict[str, float] = field(default_factory=dict)
+    offload: Offload = field(default_factory=Offload)
+    budget: Budget | None = None  # the GPU memory per process, phase by phase (None: a CPU run)
 
 
 def make_plan(cfg: Config, processes: int, processes_source: str, zero_stage: int = -1,
-              deepspeed_file: str | None = None, numbers: ModelNumbers | None = None) -> Plan:
-    """The batch arithmetic and memory estimate; the same divisibility checks as the trainer."""
+              deepspeed_file: str | None = None, numbers: ModelNumbers | None = None,
+              offload: Offload | None = None, gpu_gib: float | None = None) -> Plan:
+    """The batch arithmetic and memory estimate; the same divisibility checks as the trainer.
+
+    `offload`: the DeepSpeed config's offload switches (default: read from `deepspeed_file`); `gpu_gib`:
+    the memory of one GPU, against which the budget is checked (None: not checked).
+    """
     t = cfg.train
     if t.tasks_per_step % processes or t.global_batch_size % processes:
         raise MemexError(f"train.tasks_per_step ({t.tasks_per_step}) and train.global_batch_size "
@@ -235,9 +260,70 @@ def make_plan(cfg: Config, processes: int, processes_source: str, zero_stage: in
     plan = Plan(processes, processes_source, zero_stage, deepspeed_file, rollouts, t.tasks_per_step // processes,
                 rollouts // processes, updates, t.global_batch_size, t.global_batch_size // processes,
                 t.steps * updates, numbers, weight_bytes)
+    if zero_stage >= 0:
+        plan.offload = offload if offload is not None else Offload.of_deepspeed_file(deepspeed_file)
     if numbers is not None:
         plan.memory = memory_per_process(numbers, t.finetune, weight_bytes, zero_stage, processes)
+        if cfg.model.device != "cpu":
+            plan.budget = budget(cfg, plan.memory, numbers.arch, zero_stage, weight_bytes, plan.offload, gpu_gib)
     return plan
+
+
+def what_would_fit(plan: Plan, cfg: Config) -> list[str]:
+    """Changes that make a plan that does not fit fit, each checked with the same budget."""
+    gpu, n = plan.budget.gpu_gib, plan.numbers
+    t, r = cfg.train, cfg.rollout
+
+    zero3 = max(plan.zero_stage, 3)
+
+    def variant(config=cfg, processes=plan.processes, stage=zero3, offload=plan.offload):
+        if config.train.tasks_per_step % processes or config.train.global_batch_size % processes:
+            return None
+        alt = make_plan(config, processes, "", stage, plan.deepspeed_file, n, offload, gpu)
+        return alt.budget if alt.budget.fits else None
+
+    found = []
+    stage3 = "" if plan.zero_stage >= 3 else " under ZeRO-3"
+    if r.engine == "vllm" and not r.vllm_server_url and plan.budget.vllm_share > plan.budget.vllm_needs:
+        share = minimum_share(plan.budget, gpu)
+        b = variant(replace(cfg, rollout=replace(r, vllm_gpu_memory_utilization=share)), stage=plan.zero_stage)
+        if b:
+            found.append(f"rollout.vllm_gpu_memory_utilization={share} (vLLM's weights + one window of KV): "
+                         f"~{b.peak / GIB:.0f} GiB per GPU, fewer episodes in flight")
+    if r.engine == "transformers":
+        for size in (64, 32, 16, 8, 4, 2, 1):
+            if size < r.batch_size and (b := variant(replace(cfg, rollout=replace(r, batch_size=size)),
+                                                     stage=plan.zero_stage)):
+                found.append(f"rollout.batch_size={size}: ~{b.peak / GIB:.0f} GiB per GPU")
+                break
+        vllm = replace(r, engine="vllm", vllm_model=r.vllm_model or "INT4", vllm_gpu_memory_utilization=0.35)
+        if b := variant(replace(cfg, rollout=vllm, train=replace(t, fake_quant_group_size=128))):
+            found.append(f"INT4 rollouts in a colocated vLLM{stage3} (rollout.engine=vllm, rollout.vllm_model=<memexrl "
+                         f"quantize output>, train.fake_quant_group_size=128, 0.35 of the GPU: launch/paper-8gpu.sh "
+                         f"MODE=full-int4): ~{b.peak / GIB:.0f} GiB per GPU")
+    if t.finetune == "full" and not plan.offload.optimizer and (b := variant(offload=Offload(optimizer=True))):
+        found.append(f"offload the optimizer states to host memory{stage3} (configs/accelerate/zero3-offload-8gpu.yaml): "
+                     f"~{b.peak / GIB:.0f} GiB per GPU + {b.host / GIB:.0f} GiB of host memory per process")
+    if t.finetune == "full" and (b := variant(replace(cfg, train=replace(t, finetune="lora")))):
+        found.append(f"LoRA on the frozen base (train.finetune=lora){stage3}: ~{b.peak / GIB:.0f} GiB per GPU")
+    for more in (2, 4, 8):
+        if b := variant(processes=plan.processes * more):
+            found.append(f"{plan.processes * more} GPUs{stage3}: ~{b.peak / GIB:.0f} GiB per GPU")
+            break
+    return found or ["nothing tried here fits (offload, LoRA, up to 8x the GPUs): lower the memory the config asks for"]
+
+
+def gpu_memory_gib(cfg: Config, given: float | None) -> float | None:
+    """--gpu-memory-gib, else the first visible GPU's memory when the run goes on a GPU (None: unknown)."""
+    if given:
+        return given
+    if cfg.model.device == "cpu":
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / GIB
+    return None
 
 
 def _count(n: int | None) -> str:
@@ -278,20 +364,35 @@ def format_plan(plan: Plan, cfg: Config) -> str:
     m = plan.memory
     parts = ", ".join(f"{k} {m[k] / GIB:.{1 if m[k] >= GIB else 3}f}"
                       for k in ("weights", "reference", "gradients", "optimizer") if m[k])
-    lines.append(f"memory per process  ~{m['total'] / GIB:.1f} GiB ({parts} GiB; {plan.weight_bytes}-byte weights); "
-                 f"activations and KV cache not included")
-    if plan.zero_stage >= 3 and cfg.rollout.engine == "transformers":
-        lines.append(f"note                ZeRO-3 + transformers engine: generation gathers the whole model, "
-                     f"+{plan.weight_bytes * n.total / GIB:.1f} GiB per process; use rollout.engine=vllm for large models")
+    offloaded = [k for k, on in (("optimizer", plan.offload.optimizer), ("weights", plan.offload.params)) if on]
+    lines.append(f"trainer state       ~{m['total'] / GIB:.1f} GiB per process ({parts} GiB; {plan.weight_bytes}-byte "
+                 f"weights)" + (f"; offloaded to host memory: {', '.join(offloaded)}" if offloaded else ""))
+    b = plan.budget
+    if b is None:
+        return "\n".join(lines)
+    lines.extend(format_budget(b, cfg))
+    if b.fits is None:
+        lines.append("fit                 not checked: no GPU visible; pass --gpu-memory-gib (80 for A100/H100 80GB, 141 "
+                     "for H200)")
+    elif b.fits:
+        lines.append(f"fit                 fits: peak ~{b.peak / GIB:.1f} of {b.gpu_gib:.0f} GiB per GPU")
+    else:
+        why = (f"vLLM's share ({b.vllm_share / GIB:.1f} GiB) cannot hold its weights and one window of KV "
+               f"({b.vllm_needs / GIB:.1f} GiB)" if b.vllm_share < b.vllm_needs else
+               f"peak ~{b.peak / GIB:.1f} GiB > {b.gpu_gib:.0f} GiB per GPU")
+        lines.append(f"fit                 DOES NOT FIT: {why}. What would fit:")
+        lines.extend(f"                      - {fix}" for fix in what_would_fit(plan, cfg))
     return "\n".join(lines)
 
 
 def dry_run(cfg: Config, num_processes: int | None = None, accelerate_config: str | None = None,
-            params: int | None = None, env: Mapping[str, str] | None = None) -> str:
-    """The plan as printed by `memexrl train --dry-run`."""
+            params: int | None = None, env: Mapping[str, str] | None = None,
+            gpu_gib: float | None = None) -> tuple[str, bool | None]:
+    """(the plan as printed by `memexrl train --dry-run`, whether it fits the GPU: None when not checked)."""
     env = os.environ if env is None else env
     acc_cfg = load_accelerate_config(accelerate_config)
     processes, source = resolve_processes(num_processes, acc_cfg, env)
     stage, ds_file = resolve_zero_stage(acc_cfg, env)
-    plan = make_plan(cfg, processes, source, stage, ds_file, model_numbers(cfg, params))
-    return format_plan(plan, cfg)
+    plan = make_plan(cfg, processes, source, stage, ds_file, model_numbers(cfg, params),
+                     gpu_gib=gpu_memory_gib(cfg, gpu_gib))
+    return format_plan(plan, cfg), plan.budget.fits if plan.budget else None

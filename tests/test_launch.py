@@ -55,7 +55,7 @@ def test_train_dry_run(config, capsys, monkeypatch):
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
     assert main(["train", "--config", str(REPO / "configs" / config), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "30.53B total" in out and "memory per process" in out
+    assert "30.53B total" in out and "trainer state" in out and "GPU at update" in out
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -98,3 +98,19 @@ def test_h200_script_rejects_an_unknown_step(tmp_path):
     done = subprocess.run(["bash", str(REPO / "launch" / "h200-lora.sh"), "nonsense"], capture_output=True,
                           text=True, timeout=60, env={**os.environ, "ALFWORLD_DATA": str(tmp_path)})
     assert done.returncode == 2 and "unknown step" in done.stderr
+
+
+@pytest.mark.parametrize("mode,gpu_gib", [("full", 141), ("full-int4", 141), ("full-int4", 80), ("lora", 141),
+                                          ("lora", 80), ("full", 80)])
+def test_paper_recipe_picks_a_config_that_fits(mode, gpu_gib, tmp_path):
+    """launch/paper-8gpu.sh plans before it launches: every MODE fits 8 x 141 GB, full-int4 and lora fit
+    8 x 80 GB too (other accelerate configs), and MODE=full on 80 GB stops with what would fit."""
+    env = {**os.environ, "MODE": mode, "GPU_GIB": str(gpu_gib), "DRY_RUN": "1", "PYTHON": sys.executable,
+           "ALFWORLD_DATA": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", str(REPO / "launch" / "paper-8gpu.sh")], capture_output=True, text=True, env=env,
+                          timeout=300)
+    if (mode, gpu_gib) == ("full", 80):
+        assert done.returncode != 0 and "DOES NOT FIT" in done.stdout and "LoRA on the frozen base" in done.stdout
+    else:
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert "fits: peak" in done.stdout and f"of {gpu_gib} GiB per GPU" in done.stdout

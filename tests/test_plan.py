@@ -105,3 +105,63 @@ def test_dry_run_needs_a_parameter_count_for_an_unknown_model(capsys):
     assert len(err.splitlines()) == 1 and "--params" in err
     assert main([*args[:4], "--params", "7000000000", *args[4:]]) == 0
     assert "7.00B total" in capsys.readouterr().out
+
+
+def test_activations_by_hand():
+    from memexrl.gpu_budget import Architecture, activation_bytes
+
+    arch = Architecture(layers=4, hidden=100, vocab=1000, kv_bytes_per_token=64, int4_bytes=0, bf16_bytes=0)
+    cfg = load_config("configs/paper-8gpu.yaml", ["memory.threshold=900", "rollout.max_new_tokens=100",
+                                                  "train.micro_batch_size=2", "train.head_chunk_size=0"])
+    tokens = 2 * 1000  # 2 segments of T + one turn
+    layer = 34 * tokens * 100  # one layer's working set, 2-byte activations (Korthikanti et al. 2022)
+    logits = 3 * 4 * 1000 * tokens  # fp32 logits, log-softmax and its gradient over every position
+    assert activation_bytes(cfg, arch, 2) == 4 * tokens * 100 * 2 + layer + logits  # checkpointed layer inputs
+    chunked = load_config("configs/paper-8gpu.yaml", ["memory.threshold=900", "rollout.max_new_tokens=100",
+                                                      "train.micro_batch_size=2", "train.head_chunk_size=50"])
+    assert activation_bytes(chunked, arch, 2) == 4 * tokens * 100 * 2 + layer + 3 * 4 * 1000 * 100
+    no_ckpt = load_config("configs/paper-8gpu.yaml", ["memory.threshold=900", "rollout.max_new_tokens=100",
+                                                      "train.micro_batch_size=2", "train.head_chunk_size=0",
+                                                      "train.gradient_checkpointing=false"])
+    assert activation_bytes(no_ckpt, arch, 2) == 4 * layer + logits
+
+
+FULL_INT4 = ["train.fake_quant_group_size=128", "rollout.engine=vllm", "rollout.vllm_model=runs/int4",
+             "rollout.vllm_gpu_memory_utilization=0.35"]
+
+
+def dry_run_of(capsys, accelerate: str, gpu: float, *overrides: str, config: str = "configs/paper-8gpu.yaml",
+               force: bool = False) -> tuple[int, str, str]:
+    args = ["train", "--config", config, "--dry-run", "--gpu-memory-gib", str(gpu), *(["--force"] if force else [])]
+    if accelerate:
+        args += ["--accelerate-config", f"configs/accelerate/{accelerate}"]
+    code = main([*args, *overrides])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_a_plan_that_does_not_fit_says_what_would_and_exits_non_zero(capsys):
+    # The README's old ZeRO-2 full fine-tuning: 163.5 GiB of state per process, and the transformers engine's KV.
+    code, out, err = dry_run_of(capsys, "zero2-8gpu.yaml", 141)
+    assert code == 2 and "~163.5 GiB per process" in out and "DOES NOT FIT" in out
+    assert "INT4 rollouts in a colocated vLLM under ZeRO-3" in out and "--force" in err
+    assert dry_run_of(capsys, "zero2-8gpu.yaml", 141, force=True)[0] == 0
+    # The release's setting (full fine-tuning, INT4 fake-quant, colocated INT4 vLLM) on 8 x 141 GB and 8 x 80 GB.
+    code, out, _ = dry_run_of(capsys, "zero3-8gpu.yaml", 141, *FULL_INT4)
+    assert code == 0 and "fits: peak" in out and "vLLM 49.3" in out  # 0.35 x 141 GiB
+    code, out, _ = dry_run_of(capsys, "zero3-8gpu.yaml", 80, *FULL_INT4)
+    assert code == 2 and "offload the optimizer states" in out and "LoRA on the frozen base" in out
+    code, out, _ = dry_run_of(capsys, "zero3-offload-8gpu.yaml", 80, *FULL_INT4)
+    assert code == 0 and "offloaded to host memory: optimizer" in out and "42.7 GiB per process of offloaded" in out
+
+
+def test_vllm_needs_room_for_its_weights_and_one_window(capsys):
+    # INT4 Qwen3-30B-A3B: 15.5 GiB of weights + 32768 tokens x 96 KiB of KV cache = 18.6 GiB.
+    code, out, _ = dry_run_of(capsys, "", 141, "rollout.vllm_gpu_memory_utilization=0.1", config="configs/h200-lora.yaml")
+    assert code == 2 and "cannot hold its weights and one window of KV (18.6 GiB)" in out
+    assert dry_run_of(capsys, "", 141, config="configs/h200-lora.yaml")[0] == 0  # the recipe fits one H200
+
+
+def test_no_gpu_no_fit_check(capsys):
+    assert main(["train", "--config", "configs/h200-lora.yaml", "--dry-run"]) == 0
+    assert "not checked: no GPU visible; pass --gpu-memory-gib" in capsys.readouterr().out
