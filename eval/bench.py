@@ -5,7 +5,8 @@
 - store: experience-store writes and reads per second, in-memory vs SQLite;
 - rollout: transformers-engine generation with and without the per-episode KV cache;
 - trainer: trained tokens/s of our GRPO update path vs TRL's GRPOTrainer on the same work;
-- update: the GRPO update's peak memory with and without its memory measures (eval/bench_update.py).
+- update: the GRPO update's peak memory with and without its memory measures (eval/bench_update.py);
+- sync: the full-weight INT4 sync to vLLM, a whole host copy vs streamed (eval/bench_sync.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def run(what: str, args: argparse.Namespace) -> str:
             args.config, getattr(args, "overrides", None), runs=args.runs, steps=args.bench_steps,
             prompts=args.prompts, group=args.group, completion_tokens=args.completion_tokens,
         ))
+    if what == "sync":
+        from eval.bench_sync import bench_sync, format_bench_sync
+
+        runs = bench_sync(args.sync_hidden, args.sync_layers, args.sync_experts, args.sync_bucket_mib)
+        return format_bench_sync(runs, args.sync_bucket_mib)
     if what == "update":
         from eval.bench_trainer import DEFAULT_CONFIG
         from eval.bench_update import bench_update, format_bench_update

