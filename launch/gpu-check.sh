@@ -9,8 +9,14 @@
 # ALFWORLD_DATA is unset; offline it needs ALFWORLD_ARCHIVE) -> random-init model with the real layer shapes
 # and SmolLM2's tokenizer, saved bf16 -> `memexrl quantize` (INT4 W4A16, group 128) -> `memexrl train` in
 # process (LoRA on the fake-quantised base, colocated vLLM serving the INT4 copy, adapter sync) -> rollout
-# tokens/s, step time, peak memory. Last line: GPU CHECK PASS|FAIL; exit code 0 only on PASS.
-# Output: runs/gpu-check/ (model, model-int4, run/metrics.jsonl, gpu_check.json).
+# tokens/s, step time, peak memory -> the checks of launch/gpu_checks.py, one PASS/FAIL/SKIP line each:
+#   int4    vLLM's log-probs of tokens it sampled vs the trainer's (LoRA on the INT4 fake-quant base): mean
+#           |difference| <= 0.05 nats and <= half the unquantised-vs-INT4 difference it prints beside it
+#   sync    after the update vLLM's log-probs are >= 2x closer to the trainer's new ones than to the old ones
+#   memory  device peak (nvidia-smi) <= 1.15 x the `memexrl train --dry-run` budget of the same config
+#   ranks   with 2+ GPUs visible: two torchrun ranks, each one's colocated engine on its own GPU
+# Last line: GPU CHECK PASS|FAIL; exit code 0 only on PASS. The whole check is killed at 8 minutes
+# (GPU_CHECK_TIMEOUT=480): slower is a failure. Output: runs/gpu-check/ (model, model-int4, run/, gpu_check.json).
 #
 # Expected GPU memory with the default slice (4 layers: 4 x 623.1M + 622.3M embeddings/head = 3.11B params):
 #   trainer  5.8 GiB bf16 weights (fake-quant in place), LoRA 4 x 0.28M params (negligible), update
@@ -32,4 +38,4 @@ export PYTHONUNBUFFERED=1
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 fi
-exec timeout "${GPU_CHECK_TIMEOUT:-900}" "$PY" launch/gpu_check.py "$@"
+exec timeout "${GPU_CHECK_TIMEOUT:-480}" "$PY" launch/gpu_check.py "$@"   # 8 minutes: the budget is part of the check

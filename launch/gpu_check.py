@@ -30,10 +30,11 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
+
+import gpu_checks
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -90,34 +91,6 @@ class _Phase:
 
 class _Stop(Exception):
     """A phase failed; the report says which and why."""
-
-
-class GpuMemorySampler:
-    """`nvidia-smi --query-gpu=memory.used -l 1` in the background: the device's peak, every process."""
-
-    def __init__(self) -> None:
-        self.peak_mib = 0
-        self.proc = None
-        gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
-        if not shutil.which("nvidia-smi"):
-            return
-        cmd = ["nvidia-smi", f"--id={gpu}", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-l", "1"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.strip().isdigit():
-                self.peak_mib = max(self.peak_mib, int(line.strip()))
-
-    def stop(self) -> float | None:
-        """Peak device memory used in GiB (None without nvidia-smi)."""
-        if self.proc is None:
-            return None
-        time.sleep(1.2)  # one more sample
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
-        return self.peak_mib / 1024
 
 
 # ------------------------------------------------------------------------------------------ phases
@@ -242,6 +215,7 @@ def train_overrides(args, model_dir: Path, int4_dir: Path, run_dir: Path) -> lis
         "train.micro_batch_size": 1, "train.num_games": max(8, args.tasks * args.steps),
         "train.max_episode_steps": args.episode_steps, "train.wandb": "false", "train.finetune": "lora",
         "train.fake_quant_group_size": args.group_size, "rollout.max_new_tokens": args.max_new_tokens,
+        "train.learning_rate": args.learning_rate,
         "memory.threshold": args.threshold, "env.num_workers": args.workers,
     }
     if args.cpu_smoke:
@@ -269,6 +243,7 @@ def run_training(args, cfg, report: Report) -> dict:
         t0 = time.perf_counter()
         engine = make_engine(policy, config, accelerator)
         seen["engine"], seen["engine_s"] = engine, time.perf_counter() - t0
+        seen["start_adapter"] = gpu_checks.adapter_state(policy.model)  # check (b): the adapter before any update
         report.add("engine start", seen["engine_s"], True,
                    f"{type(engine).__name__} ({config.rollout.engine}"
                    + (f", {config.rollout.vllm_model}" if config.rollout.engine == "vllm" else "") + ")")
@@ -295,6 +270,11 @@ def run_training(args, cfg, report: Report) -> dict:
             t0 = time.perf_counter()
             trainer.train()
             phase.note = f"{cfg.train.steps} GRPO step(s) incl. the engine start, {time.perf_counter() - t0:.1f} s"
+        with report.phase("consistency") as phase:  # checks (a) and (b), with the engine still serving
+            seen["checks"] = gpu_checks.consistency_checks(
+                seen["engine"], trainer.policy, seen["start_adapter"], str(cfg.model.name), trainer.accelerator.device,
+                torch.bfloat16 if cuda else torch.float32)
+            phase.note = "engine vs trainer log-probs on sampled tokens, before and after the update"
     finally:
         trainer_mod.make_engine, trainer_mod.rollout = make_engine, rollout
         engine = seen.get("engine")
@@ -336,6 +316,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=None, help="env worker processes (default 8; 1 smoke)")
     p.add_argument("--group-size", type=int, default=None, help="INT4 group (default 128; 32 with --cpu-smoke)")
     p.add_argument("--vllm-memory", type=float, default=0.45, help="rollout.vllm_gpu_memory_utilization")
+    p.add_argument("--learning-rate", type=float, default=1e-3,
+                   help="train.learning_rate: large, so that the update moves the log-probs well past kernel noise "
+                        "(check b)")
     p.add_argument("--vocab-size", type=int, default=151936,
                    help="vocabulary of the built model (Qwen3's; raised to the tokenizer's size if smaller)")
     p.add_argument("--seed", type=int, default=0)
@@ -374,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         with report.phase("data") as phase:
             summary["alfworld_data"] = prepare_data(phase)
         if not args.cpu_smoke:
-            sampler = GpuMemorySampler()
+            sampler = gpu_checks.GpuMemorySampler()
         for old in (model_dir, int4_dir, run_dir):  # a rerun starts clean (quantize wants a new --out)
             shutil.rmtree(old, ignore_errors=True)
         work.mkdir(parents=True, exist_ok=True)
@@ -397,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         with report.phase("results") as phase:
             summary.update(results(args, cfg, run_dir, seen, sampler, summary))
             phase.note = "metrics.jsonl read"
+        summary["checks"] = run_checks(args, cfg, seen, summary, int4_dir, work, report)
     except _Stop:
         pass
     except Exception as exc:  # outside a phase: still one summary line and a non-zero exit
@@ -418,6 +402,29 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"{what} PASS in {total:.0f} s: {summary.get('headline', '')}", flush=True)
     return 0
+
+
+def run_checks(args, cfg, seen: dict, summary: dict, int4_dir: Path, work: Path, report: Report) -> list[dict]:
+    """Checks (a)-(d) of launch/gpu_checks.py: one PASS / FAIL / SKIP line each; a failed one fails the check."""
+    import gc
+
+    import torch
+
+    seen.pop("start_adapter", None)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the trainer is gone: check (d) starts its own engines
+    rows = list(seen.get("checks", []))
+    rows.append(gpu_checks.peak_check(cfg, summary.get("device_peak_used_gib"),
+                                      summary["environment"].get("memory_gib")))
+    rows.append(gpu_checks.ranks_check(int4_dir, work, REPO) if not args.cpu_smoke else
+                {"check": "ranks", "ok": None, "note": "skipped: --cpu-smoke"})
+    for row in rows:
+        verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[row["ok"]]
+        print(f"[gpu-check] check {row['check']:<8} {verdict}  {row['note']}", flush=True)
+        if row["ok"] is False and report.failed is None:
+            report.failed = f"check {row['check']}: {row['note']}"
+    return rows
 
 
 def results(args, cfg, run_dir: Path, seen: dict, sampler, summary: dict) -> dict:

@@ -8,6 +8,7 @@ GPUs themselves are not exercised here.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -89,6 +90,11 @@ def test_gpu_check_cpu_smoke(alfworld_data, tmp_path):
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("CPU SMOKE PASS"), last
+    for check in ("int4", "sync"):  # the transformers engine here: the plumbing of the GPU checks (a) and (b)
+        assert f"check {check:<8} PASS" in done.stdout
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [c["check"] for c in report["checks"]] == ["int4", "sync", "memory", "ranks"]
+    assert report["checks"][1]["values"]["update"] > 0  # the update moved the trainer's log-probs
     assert (tmp_path / "model-int4" / "config.json").is_file()  # `memexrl quantize` ran
     assert (tmp_path / "run" / "metrics.jsonl").is_file() and (tmp_path / "gpu_check.json").is_file()
 
