@@ -79,11 +79,8 @@ $PY -m memexrl train --config "$CONFIG" --dry-run --accelerate-config "$ACCEL" -
 accelerate launch --config_file "$ACCEL" -m memexrl.cli train --config "$CONFIG" ${opts[@]+"${opts[@]}"} \
   ${overrides[@]+"${overrides[@]}"}
 
-case $MODE in  # the train.output_dir each MODE sets above
-  full) run_dir=runs/paper-8gpu ;;
-  full-int4) run_dir=runs/paper-8gpu-int4 ;;
-  lora) run_dir=runs/paper-8gpu-lora ;;
-esac
+run_dir=runs/paper-8gpu   # the config's train.output_dir, unless MODE's or yours (the last one wins) says otherwise
+for o in ${overrides[@]+"${overrides[@]}"}; do [[ $o == train.output_dir=* ]] && run_dir=${o#train.output_dir=}; done
 $PY -m memexrl plot "$run_dir"
 # Resume: `MODE=... bash launch/paper-8gpu.sh --resume` (same MODE: a ZeRO checkpoint resumes under the same
 # kind of launch). Curves: $run_dir/plots/*.png; wandb files in $run_dir/wandb/.

@@ -49,11 +49,13 @@ def single_process(args: list[str]):
     """What one plain process computes on both ranks' segments: log-probs per rank, the averaged step's grad norm."""
     from accelerate import Accelerator
 
+    from memexrl.seeding import seed_everything
     from memexrl.trainer import make_optimizer
     from memexrl.update import pad_id, update_policy
 
     torch.set_num_threads(1)
     cfg = load_config("configs/tiny-cpu.yaml", args)
+    seed_everything(cfg.seed)  # as the trainer does before building the policy: the same LoRA initialisation
     policy = load_policy_for_grpo(cfg)
     pad, per_rank = pad_id(policy.tokenizer), []
     for rank in range(2):
@@ -73,11 +75,13 @@ def single_process(args: list[str]):
     return per_rank, metrics, fake_quant
 
 
-@pytest.mark.parametrize("config,fake_quant", [("zero2-8gpu.yaml", 0), ("zero3-8gpu.yaml", FAKE_QUANT),
-                                               ("zero3-offload-8gpu.yaml", 0)])
-def test_ranks_with_unequal_segment_counts_step_together(config, fake_quant, tiny_eos_model, tmp_path,
+@pytest.mark.parametrize("config,finetune,fake_quant", [
+    ("zero2-8gpu.yaml", "full", 0), ("zero3-8gpu.yaml", "full", FAKE_QUANT), ("zero3-offload-8gpu.yaml", "full", 0),
+    ("zero3-8gpu.yaml", "lora", FAKE_QUANT)])  # the last: paper-8gpu.sh MODE=lora on 80 GB GPUs
+def test_ranks_with_unequal_segment_counts_step_together(config, finetune, fake_quant, tiny_eos_model, tmp_path,
                                                          alfworld_data):
-    args = overrides(tiny_eos_model, tmp_path / "run", **{"train.fake_quant_group_size": fake_quant})
+    args = overrides(tiny_eos_model, tmp_path / "run", **{"train.fake_quant_group_size": fake_quant,
+                                                          "train.finetune": finetune})
     launch_ranks(config, 2, ["tests/rank_worker.py", "lockstep", str(tmp_path), *args],
                  ALFWORLD_DATA=str(alfworld_data))
     records = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
@@ -94,9 +98,10 @@ def test_ranks_with_unequal_segment_counts_step_together(config, fake_quant, tin
         assert r["metrics"]["num_updates"] == 1
         assert r["metrics"]["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)  # padding passes add nothing
     assert records[0]["fake_quant"] == records[1]["fake_quant"] == plain_fake_quant
-    if fake_quant:
-        assert plain_fake_quant == 12  # q, k, v, o and the fused experts' two tensors, in 2 layers
-        unquantised = single_process(overrides(tiny_eos_model, tmp_path / "u", **{"train.fake_quant_group_size": 0}))
+    if fake_quant:  # the forward used the INT4 weights (LoRA: the frozen base replaced by them, no parametrization)
+        assert plain_fake_quant == (12 if finetune == "full" else 0)  # q, k, v, o and the fused experts' 2, 2 layers
+        unquantised = single_process(overrides(tiny_eos_model, tmp_path / "u", **{
+            "train.fake_quant_group_size": 0, "train.finetune": finetune}))
         assert not torch.allclose(torch.tensor(records[0]["old"][0]),
                                   torch.tensor(unquantised[0][0][0].old_logprobs), atol=1e-3)
 

@@ -120,3 +120,24 @@ def test_paper_recipe_picks_a_config_that_fits(mode, gpu_gib, tmp_path):
     else:
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         assert "fits: peak" in done.stdout and f"of {gpu_gib} GiB per GPU" in done.stdout
+
+
+@pytest.mark.parametrize("mode", ["full-int4", "lora"])
+def test_paper_recipe_plots_the_run_it_launched(mode, tmp_path):
+    """After `accelerate launch` (a stand-in here that writes the run's metrics where the last train.output_dir
+    says), the recipe plots that run: the user's train.output_dir over MODE's own (runs/paper-8gpu-int4, -lora),
+    which the same rule picks without one."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "accelerate"
+    fake.write_text("#!/usr/bin/env bash\nout=runs/paper-8gpu\nfor a in \"$@\"; do [[ $a == train.output_dir=* ]] && "
+                    "out=${a#train.output_dir=}; done\nmkdir -p \"$out\"\n"
+                    "echo '{\"step\": 1, \"success_rate\": 0.5, \"reward_mean\": 0.1}' > \"$out/metrics.jsonl\"\n")
+    fake.chmod(0o755)
+    mine = tmp_path / "mine"
+    env = {**os.environ, "MODE": mode, "GPU_GIB": "141", "PYTHON": sys.executable, "ALFWORLD_DATA": str(tmp_path),
+           "OMP_NUM_THREADS": "1", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", str(REPO / "launch" / "paper-8gpu.sh"), f"train.output_dir={mine}"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (mine / "plots" / "success.png").is_file()  # the user's train.output_dir wins
