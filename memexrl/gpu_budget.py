@@ -137,7 +137,7 @@ def budget(cfg, memory: dict, arch: Architecture | None, zero_stage: int, weight
         if gpu_gib is None:
             b.notes.append("GPU memory unknown: vLLM's share counted as its minimum (weights + one window of KV)")
     elif r.engine == "transformers":  # the KV cache of the batch's working contexts, + the whole model under ZeRO-3
-        b.gathered = arch.bf16_bytes if zero_stage >= 3 else 0.0
+        b.gathered = arch.bf16_bytes / 2 * weight_bytes if zero_stage >= 3 else 0.0  # in the trainer's dtype
         b.generation = arch.kv_bytes_per_token * b.segment_tokens * r.batch_size + b.gathered
     return b
 
