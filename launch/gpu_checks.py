@@ -50,20 +50,14 @@ def probe_tokens(engine, tokenizer, n: int = 4, max_new_tokens: int = 48) -> lis
 
 
 def trainer_logprobs(model, probes, device) -> list[list[float]]:
-    """The module's log-probs of each probe's sampled tokens (the trainer's own code: batching.sequence_logprobs)."""
-    import torch
+    """The module's log-probs of each probe's sampled tokens (the trainer's own code: batching.fill_logprobs)."""
+    from memexrl.batching import SegmentSample, fill_logprobs
 
-    from memexrl.batching import SegmentSample, collate, sequence_logprobs
-
-    out = []
+    samples = [SegmentSample(prompt + ids, [0] * len(prompt) + [1] * len(ids), [0.0] * (len(prompt) + len(ids)),
+                             0.0, 0.0, 0) for prompt, ids, _ in probes]
     model.eval()
-    with torch.no_grad():
-        for prompt, ids, _ in probes:
-            sample = SegmentSample(prompt + ids, [0] * len(prompt) + [1] * len(ids), [0.0] * (len(prompt) + len(ids)),
-                                   0.0, 0.0, 0)
-            logp, _ = sequence_logprobs(model, collate([sample], 0, device))
-            out.append(logp[0, len(prompt) - 1:].float().cpu().tolist())
-    return out
+    fill_logprobs(model, samples, 1, 0, device, "old_logprobs")
+    return [s.old_logprobs[len(prompt) - 1:] for s, (prompt, _, _) in zip(samples, probes)]
 
 
 def mean_abs(a: list[list[float]], b: list[list[float]]) -> float:

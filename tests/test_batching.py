@@ -120,17 +120,13 @@ def test_chunked_output_head_equals_the_whole_head(with_grad):
 
 def test_chunked_output_head_through_a_ddp_wrapper():
     """Multi-GPU runs hand `sequence_logprobs` the DDP-wrapped model, which does not forward attributes."""
-    import socket
-
     import torch.distributed as dist
+    from ranks import free_port
 
     from memexrl.batching import SegmentSample, sequence_logprobs
     from memexrl.models import load_policy
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         torch.manual_seed(0)
         model, _ = load_policy(load_config(None, ["model.name=tiny-qwen3-moe", "model.device=cpu"]).model)

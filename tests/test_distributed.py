@@ -19,7 +19,7 @@ import json
 
 import pytest
 import torch
-from rank_worker import segment_samples
+from rank_worker import fake_quant_count, segment_samples
 from ranks import launch_ranks
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from memexrl.batching import fill_logprobs
 from memexrl.config import load_config
 from memexrl.finetune import load_policy_for_grpo
-from memexrl.quantize import FakeQuant, quantize_checkpoint
+from memexrl.quantize import quantize_checkpoint
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
@@ -71,8 +71,7 @@ def single_process(args: list[str]):
     optimizer, scheduler = make_optimizer(policy, cfg)
     metrics = update_policy(policy.model, optimizer, scheduler, acc, [every], cfg.train, policy.tokenizer,
                             policy.trainable_parameters())
-    fake_quant = sum(isinstance(m, FakeQuant) for m in policy.model.modules())
-    return per_rank, metrics, fake_quant
+    return per_rank, metrics, fake_quant_count(policy.model)
 
 
 @pytest.mark.parametrize("config,finetune,fake_quant", [

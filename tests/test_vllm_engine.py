@@ -218,16 +218,15 @@ def test_lora_adapter_sync(dense, tmp_path):
 @pytest.fixture(scope="module")
 def server(dense, tmp_path_factory):
     """A real `vllm serve` of the dense model (OpenAI API, runtime LoRA loading) on a free port."""
-    import socket
     import subprocess
     import sys
     import time
     import urllib.request
 
+    from ranks import free_port
+
     path, _ = dense
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     log = tmp_path_factory.mktemp("server") / "vllm-serve.log"
     # Runtime LoRA loading; /collective_rpc and our worker extension for full-weight sync (FULL_SYNC=1 of
     # launch/vllm-server.sh).
