@@ -25,11 +25,9 @@ import yaml
 
 from memexrl.config import Config, TrainSection
 from memexrl.errors import MemexError
-from memexrl.gpu_budget import Architecture, Budget, Offload, budget, format_budget, minimum_share
+from memexrl.gpu_budget import GIB, Architecture, Budget, Offload, budget, format_budget, minimum_share
 from memexrl.lora import count_lora_parameters, resolve_targets
 from memexrl.quantize import is_quant_target
-
-GIB = 1024**3
 
 # Architectures whose config.json may not be on this machine: the values that fix the parameter
 # count, copied from the config.json the source names. Only used when the real config is not found.
@@ -273,7 +271,6 @@ def what_would_fit(plan: Plan, cfg: Config) -> list[str]:
     """Changes that make a plan that does not fit fit, each checked with the same budget."""
     gpu, n = plan.budget.gpu_gib, plan.numbers
     t, r = cfg.train, cfg.rollout
-
     zero3 = max(plan.zero_stage, 3)
 
     def variant(config=cfg, processes=plan.processes, stage=zero3, offload=plan.offload):
