@@ -42,8 +42,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from common.errors import MemexError
 from envs.data import GAME_FILE, task_type_of
-from memexrl.errors import MemexError
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path, PurePosixPath
 
-from memexrl.errors import MemexError
+from common.errors import MemexError
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ The paper reports success and peak working context before and after RL; the rele
 valid_seen + valid_unseen with greedy decoding, one sample per game, 50 steps (config
 `eval` defaults; memex.md "Modified ALFWorld"). Any checkpoint loads (a full model, a LoRA
 adapter, an SFT or GRPO run directory: its newest checkpoint, or a model name), on the
-transformers engine or vLLM, with any agent of memexrl/agents.py; the env worker pool plays the
+transformers engine or vLLM, with any agent of rollout/strategies.py; the env worker pool plays the
 episodes in parallel. Writes OUT/eval_alfworld.json (design.md field names plus the extra
 counts) and OUT/episodes.jsonl (trajectory JSON), and logs them to wandb when eval.wandb is on.
 """
@@ -20,12 +20,12 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
+from common.atomic import write_text_atomic
+from common.config import Config
+from common.errors import MemexError
+from common.trajectory import Trajectory, success_by_task_type
 from envs.data import ordered_games
-from memexrl.agents import AgentSpec, make_agent
-from memexrl.atomic import write_text_atomic
-from memexrl.config import Config
-from memexrl.errors import MemexError
-from memexrl.trajectory import Trajectory, success_by_task_type
+from rollout.strategies import AgentSpec, make_agent
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def make_eval_agent(cfg: Config) -> AgentSpec:
 
 def make_eval_engine(cfg: Config, checkpoint: str, out: Path):
     """(engine, tokenizer): the transformers engine on the loaded policy, or vLLM (rollout.engine)."""
-    from memexrl.models import adapter_base, load_policy
+    from modeling.load import adapter_base, load_policy
 
     model, tokenizer = load_policy(replace(cfg.model, name=checkpoint))
     if cfg.rollout.engine != "vllm":
@@ -97,7 +97,8 @@ def make_eval_engine(cfg: Config, checkpoint: str, out: Path):
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
     del model
-    engine = make_vllm_engine(cfg, model_dir, tokenizer, max_model_len=cfg.rollout.max_context_tokens,
+    engine = make_vllm_engine(model_dir=model_dir, tokenizer=tokenizer, sampling=cfg.rollout, seed=cfg.seed,
+                              dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_context_tokens,
                               gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization)
     engine.temperature = cfg.eval.temperature
     return engine, tokenizer
@@ -105,8 +106,9 @@ def make_eval_engine(cfg: Config, checkpoint: str, out: Path):
 
 def evaluate(cfg: Config, progress: bool = True) -> dict:
     """Play the eval games with the checkpoint and agent of cfg.eval; write and return the results."""
-    from memexrl.finetune import resolve_checkpoint
+    from rewards import score_trajectories
     from rollout.runner import make_renderer, open_envs, run_episodes
+    from training.policy import resolve_checkpoint
 
     e = cfg.eval
     out = Path(e.output_dir)
@@ -120,6 +122,7 @@ def evaluate(cfg: Config, progress: bool = True) -> dict:
     with open_envs(cfg) as envs:
         trajs = run_episodes(jobs, engine, envs, make_renderer(tokenizer, cfg, agent), cfg, agent=agent,
                              progress=progress)
+    score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
     result = {"split": e.split, "agent": e.agent, "checkpoint": checkpoint, "temperature": e.temperature,
               **({"task_types": e.task_types} if e.task_types else {}), "max_steps": cfg.env.max_steps,
               **aggregate(trajs), "seconds": round(time.perf_counter() - start, 1)}
@@ -137,7 +140,7 @@ def write_results(out: Path, result: dict, trajs: list[Trajectory]) -> None:
 
 
 def log_to_wandb(out: Path, result: dict, trajs: list[Trajectory]) -> None:
-    from memexrl.train_log import import_wandb
+    from training.log import import_wandb
 
     wandb = import_wandb(out)
     if wandb is None:

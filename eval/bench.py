@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+from common.config import load_config
 from envs.data import list_games
-from memexrl.config import load_config
 
 # Small, cheap rollouts: a few short episodes with short turns (the CPU default).
 ROLLOUT_BENCH_OVERRIDES = [
@@ -25,7 +25,7 @@ ROLLOUT_BENCH_OVERRIDES = [
 def _policy(cfg):
     import torch
 
-    from memexrl.models import load_policy
+    from modeling.load import load_policy
 
     torch.set_num_threads(1)
     return load_policy(cfg.model)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from memexrl.config import Config
+from common.config import Config
 from rollout.hf_engine import TransformersEngine
 from rollout.runner import RolloutTimes, make_renderer, open_envs, run_episodes
 

@@ -1,4 +1,4 @@
-"""Benchmark of the two experience-store backends side by side (memexrl/memory/store.py).
+"""Benchmark of the two experience-store backends side by side (memory/store.py).
 
 Writes go one block per ``write_many`` call, i.e. one transaction per block, as the agent's
 CompressExperience does; reads are random reads of existing indices, as ReadExperience does
@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from memexrl.memory.store import BlockWrite, ExperienceStore, InMemoryStore, SQLiteStore
+from memory.store import BlockWrite, ExperienceStore, InMemoryStore, SQLiteStore
 
 BACKENDS = ("memory", "sqlite")
 METRICS = ("writes_per_s", "reads_per_s")

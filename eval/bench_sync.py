@@ -57,7 +57,7 @@ def model_for_bench(hidden: int, layers: int, experts: int, vocab: int = 32768):
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from memexrl.quantize import apply_fake_quant
+    from modeling.quantize import apply_fake_quant
 
     config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
                             moe_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=8,
@@ -111,8 +111,8 @@ def bench_sync(hidden: int = 1024, layers: int = 4, experts: int = 16, bucket_mi
                vocab: int = 32768) -> list[SyncRun]:
     import torch
 
-    from memexrl.errors import MemexError
-    from memexrl.quantize import Int4Layout, is_quant_target
+    from common.errors import MemexError
+    from modeling.quantize import Int4Layout, is_quant_target
     from rollout.weights import checkpoint_tensors
 
     torch.set_num_threads(1)

@@ -8,7 +8,7 @@ beta = train.kl_coef), AdamW with the same learning rate, betas, weight decay an
 clip, a constant schedule, one forward/backward pass over all prompts x G sequences and one
 optimizer step per training step, on the CPU in float32.
 
-- ours: the composition of memexrl/trainer.py for single-turn work: `TransformersEngine`
+- ours: the composition of training/trainer.py for single-turn work: `TransformersEngine`
   generates (a fresh engine per step, no KV cache kept across calls: there is no next turn),
   `grpo.group_advantages`, one `SegmentSample` per completion (prompt + completion ids, loss
   mask on the completion, the engine's log-probs), `grpo.token_weights` ('trajectory'
@@ -46,10 +46,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from memexrl import grpo
-from memexrl.batching import SegmentSample, fill_logprobs
-from memexrl.config import Config, load_config
-from memexrl.errors import MemexError
+from common.config import Config, load_config
+from common.errors import MemexError
+from training import grpo
+from training.batching import SegmentSample, fill_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -147,11 +147,11 @@ def run_ours(cfg: Config, prompt_texts: list[str], steps: int, completion_tokens
     """`steps` GRPO steps of our trainer's composition on single-turn work; the loop is timed."""
     from accelerate import Accelerator
 
-    from memexrl.finetune import load_policy_for_grpo
-    from memexrl.trainer import make_optimizer
-    from memexrl.update import pad_id, update_policy
-    from rollout.engines import GenerationRequest
+    from common.engine import GenerationRequest
     from rollout.hf_engine import TransformersEngine
+    from training.policy import load_policy_for_grpo
+    from training.trainer import make_optimizer
+    from training.update import pad_id, update_policy
 
     t, group = cfg.train, cfg.train.group_size
     acc = Accelerator(cpu=True, mixed_precision="no")
@@ -190,7 +190,8 @@ def run_ours(cfg: Config, prompt_texts: list[str], steps: int, completion_tokens
         with policy.reference_context():
             fill_logprobs(policy.reference_module(), samples, t.micro_batch_size, pad, acc.device, "ref_logprobs",
                           t.head_chunk_size)
-        update_policy(model, optimizer, scheduler, acc, [samples], t, tokenizer, policy.trainable_parameters())
+        update_policy(model=model, optimizer=optimizer, scheduler=scheduler, accelerator=acc, samples_per_update=[samples],
+                      train=t, pad_token_id=pad, params=policy.trainable_parameters())
         tokens += sum(s.trained_tokens for s in samples)
     seconds = time.perf_counter() - start
     del policy, model, optimizer, scheduler, acc
@@ -204,8 +205,8 @@ def run_trl(cfg: Config, prompt_texts: list[str], steps: int, completion_tokens:
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from memexrl.model_zoo import resolve_model_path
-    from memexrl.models import load_policy
+    from modeling.load import load_policy
+    from modeling.zoo import resolve_model_path
 
     t = cfg.train
     n = t.tasks_per_step * t.group_size
@@ -259,7 +260,7 @@ def bench_trainer(config: str | None = None, overrides: list[str] | None = None,
         raise MemexError("bench trainer: --group (G) must be >= 2: GRPO compares completions of one prompt")
     torch.set_num_threads(1)
     cfg = bench_config(config, overrides or [], prompts, group)
-    from memexrl.models import load_tokenizer
+    from modeling.load import load_tokenizer
 
     prompt_texts = render_prompts(load_tokenizer(cfg.model), prompts)
     result = TrainerBench(settings={

@@ -1,14 +1,14 @@
 """`memexrl bench update`: the GRPO update's memory, with and without its two memory measures.
 
 One micro-batch of `train.micro_batch_size` segments of `--segment-tokens` tokens (the first
-quarter prompt, the rest trained) goes through `memexrl/update.py`'s `update_policy` (log-probs
+quarter prompt, the rest trained) goes through `training/update.py`'s `update_policy` (log-probs
 and entropy, the GRPO loss with KL and TIS, backward, clipping, an AdamW step), `--bench-steps`
 times, with the config's policy (train.finetune, LoRA in configs/tiny-cpu.yaml; the base model, no
 SFT checkpoint needed). Three variants, each in a fresh
 process so that each starts from an untouched allocator:
 
 - before: glibc's adaptive mmap threshold, the whole output layer at once (`head_chunk_size 0`);
-- malloc: the threshold fixed at 1 MiB (memexrl/malloc.py), the whole output layer;
+- malloc: the threshold fixed at 1 MiB (common/malloc.py), the whole output layer;
 - both: the threshold fixed and the output layer in slices of `train.head_chunk_size` positions
   (`batching.sequence_logprobs`): what `memexrl train` runs.
 
@@ -50,7 +50,7 @@ def _rss_gb() -> float:
 
 def child(spec: dict) -> dict:
     """One variant in this (fresh) process: returns its peak and final RSS and the steps' seconds."""
-    from memexrl.malloc import return_freed_memory
+    from common.malloc import return_freed_memory
 
     if spec["fix_malloc"]:
         return_freed_memory()  # before torch allocates anything, as `memexrl` does
@@ -59,11 +59,11 @@ def child(spec: dict) -> dict:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    from memexrl.batching import SegmentSample
-    from memexrl.config import load_config
-    from memexrl.finetune import load_policy_for_grpo
-    from memexrl.trainer import make_optimizer
-    from memexrl.update import update_policy
+    from common.config import load_config
+    from training.batching import SegmentSample
+    from training.policy import load_policy_for_grpo
+    from training.trainer import make_optimizer
+    from training.update import pad_id, update_policy
 
     cfg = load_config(spec["config"], spec["overrides"])
     chunk = cfg.train.head_chunk_size if spec["chunk_head"] else 0
@@ -84,8 +84,8 @@ def child(spec: dict) -> dict:
         samples.append(s)
     start = time.perf_counter()
     for _ in range(spec["steps"]):  # one optimizer step over the one micro-batch, as memexrl train's update
-        update_policy(model, optimizer, scheduler, acc, [samples], t, policy.tokenizer,
-                      policy.trainable_parameters())
+        update_policy(model=model, optimizer=optimizer, scheduler=scheduler, accelerator=acc, samples_per_update=[samples],
+                      train=t, pad_token_id=pad_id(policy.tokenizer), params=policy.trainable_parameters())
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB
     return {"peak_gb": peak, "after_gb": _rss_gb(), "seconds": seconds}
@@ -103,7 +103,7 @@ def bench_update(config: str | None, overrides: list[str], tokens: int, steps: i
         done = subprocess.run([sys.executable, "-m", "eval.bench_update", json.dumps(spec)], capture_output=True,
                               text=True, env={**env, "OMP_NUM_THREADS": "1"})
         if done.returncode != 0:
-            from memexrl.errors import MemexError
+            from common.errors import MemexError
 
             raise MemexError(f"bench update: variant {name} failed (exit {done.returncode}): {done.stderr[-2000:]}")
         runs.append(UpdateRun(name, **json.loads(done.stdout.strip().splitlines()[-1])))

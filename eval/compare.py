@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from common.errors import MemexError
 from eval.alfworld import RESULT_FILE
-from memexrl.errors import MemexError
 
 COLUMNS = ("run", "agent", "checkpoint", "split", "games", "success %", "peak W (mean)", "peak W (max)",
            "compress/ep", "read/ep", "redundant/ep", "format err/ep", "reward")

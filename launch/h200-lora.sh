@@ -33,7 +33,7 @@
 #   host RAM                vLLM's sleeping weights (~16 GiB) + 16 ALFWorld workers (~0.5 GB each)
 #   caveat                  vLLM's wake_up re-allocates its ~62 GiB after the update: the trainer's PyTorch
 #                           cache must not still hold the update's activations then (torch.cuda.empty_cache()
-#                           before wake_up; memexrl/trainer.py does not call it today). If wake_up runs out of
+#                           before wake_up; training/trainer.py does not call it today). If wake_up runs out of
 #                           memory, lower rollout.vllm_gpu_memory_utilization (0.35 leaves ~14 GiB more).
 #   disk                    HF cache 61 GB + merged SFT start 61 GB + INT4 17 GB + checkpoints (adapters, small)
 #
@@ -85,9 +85,9 @@ run_merge() {  # the starting policy as one bf16 checkpoint: base + SFT adapter,
   $PY - "$CONFIG" "$MERGED_DIR" <<'EOF'
 import sys
 from dataclasses import replace
-from memexrl.config import load_config
-from memexrl.finetune import init_source
-from memexrl.models import load_policy
+from common.config import load_config
+from training.policy import init_source
+from modeling.load import load_policy
 cfg = load_config(sys.argv[1])
 source = init_source(cfg)  # train.init_checkpoint: the SFT run's newest checkpoint
 model, tokenizer = load_policy(replace(cfg.model, name=source))  # an adapter is merged into its base

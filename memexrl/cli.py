@@ -11,10 +11,10 @@ import logging
 import sys
 from pathlib import Path
 
+from common.errors import MemexError
+from common.malloc import return_freed_memory
 from envs.data import DEFAULT_DEST
 from eval.lme.cli import add_lme_commands
-from memexrl.errors import MemexError
-from memexrl.malloc import return_freed_memory
 
 log = logging.getLogger("memexrl")
 
@@ -30,7 +30,7 @@ def cmd_data(args: argparse.Namespace) -> None:
 # --- replay -------------------------------------------------------------------------------------
 def read_script(path: str | Path) -> list[str]:
     """A replay script: JSONL, one {"assistant": "<raw text>"} per turn."""
-    from memexrl.jsonl import read_jsonl
+    from common.jsonl import read_jsonl
 
     turns = []
     shape = 'each line must be {"assistant": "..."}'
@@ -43,19 +43,21 @@ def read_script(path: str | Path) -> list[str]:
 
 def replay(game: str, turns: list[str], cfg, tokenizer) -> dict:
     """Play one episode with a scripted policy; return the trajectory JSON (with token ids)."""
-    from rollout.engines import ScriptedEngine
+    from rewards import score_trajectory
     from rollout.runner import make_renderer, open_envs, run_episodes
+    from rollout.scripted import ScriptedEngine
 
     engine = ScriptedEngine(tokenizer, {"replay": turns})
     with open_envs(cfg, num_workers=0) as envs:
         (traj,) = run_episodes([("replay", game)], engine, envs, make_renderer(tokenizer, cfg), cfg)
+    score_trajectory(traj, cfg.memory.threshold, cfg.reward)
     return traj.to_json()
 
 
 def cmd_replay(args: argparse.Namespace) -> None:
+    from common.config import load_config
     from envs.data import resolve_game
-    from memexrl.config import load_config
-    from memexrl.models import load_tokenizer
+    from modeling.load import load_tokenizer
 
     if args.env != "alfworld":
         raise MemexError(f"unknown env {args.env!r}; available: alfworld")
@@ -73,7 +75,7 @@ def cmd_replay(args: argparse.Namespace) -> None:
 
 # --- expert -------------------------------------------------------------------------------------
 def cmd_expert(args: argparse.Namespace) -> None:
-    from memexrl.config import load_config
+    from common.config import load_config
     from sft.demos import DEMOS_FILE, check_request, make_demonstrations, summary_text, write_demonstrations
 
     cfg = load_config(args.config, args.overrides)
@@ -87,7 +89,7 @@ def cmd_expert(args: argparse.Namespace) -> None:
 
 # --- sft ----------------------------------------------------------------------------------------
 def cmd_sft(args: argparse.Namespace) -> None:
-    from memexrl.config import load_config
+    from common.config import load_config
     from sft.check import post_sft_check
     from sft.train import run_sft
 
@@ -110,7 +112,7 @@ def cmd_sft(args: argparse.Namespace) -> None:
 
 # --- train --------------------------------------------------------------------------------------
 def cmd_train(args: argparse.Namespace) -> None:
-    from memexrl.config import load_config
+    from common.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     if args.dry_run:
@@ -121,9 +123,15 @@ def cmd_train(args: argparse.Namespace) -> None:
         if fits is False and not args.force:
             raise MemexError("the plan does not fit the GPU memory (above: what would); --force to plan past it")
         return
-    from memexrl.trainer import train
+    from accelerate import PartialState
+
+    from memexrl.plot import plot_run
+    from training.trainer import train
 
     checkpoint = train(cfg, resume=args.resume_from or ("latest" if args.resume else None))
+    if PartialState().is_main_process:
+        for path in plot_run(cfg.train.output_dir):
+            print(f"plot {path}")
     print(f"GRPO run {cfg.train.output_dir}: last checkpoint {checkpoint}")
 
 
@@ -133,8 +141,8 @@ EVAL_FLAGS = {"checkpoint": "eval.checkpoint", "split": "eval.split", "games": "
 
 
 def cmd_eval_alfworld(args: argparse.Namespace) -> None:
+    from common.config import load_config
     from eval.alfworld import evaluate, summary_line
-    from memexrl.config import load_config
 
     flags = [f"{key}={getattr(args, name)}" for name, key in EVAL_FLAGS.items() if getattr(args, name) is not None]
     result = evaluate(load_config(args.config, [*args.overrides, *flags]))
@@ -157,7 +165,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 # --- quantize -----------------------------------------------------------------------------------
 def cmd_quantize(args: argparse.Namespace) -> None:
-    from memexrl.quantize import quantize_checkpoint
+    from modeling.quantize import quantize_checkpoint
 
     result = quantize_checkpoint(args.model, args.out, args.group_size, experts_only=args.experts_only)
     print(f"INT4 W4A16 checkpoint (pack-quantized, group {args.group_size}): {result.out_dir}")
@@ -178,7 +186,7 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
 # --- demo ---------------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> None:
-    from memexrl.config import load_config
+    from common.config import load_config
     from memexrl.demo import QUICK_OVERRIDES, run_demo
 
     overrides = [*(QUICK_OVERRIDES if args.quick else []), *args.overrides]
@@ -311,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return_freed_memory()  # before any tensor: CPU runs would otherwise grow step by step (memexrl/malloc.py)
+    return_freed_memory()  # before any tensor: CPU runs would otherwise grow step by step (common/malloc.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -4,7 +4,7 @@ Stages, in order (each a directory under `demo.output_dir`):
 
 1. `expert` — Memex expert demonstrations on `demo.expert_games` training games (sft/demos.py);
 2. `sft`    — the SFT warm start on their segments (TRL, sft/train.py);
-3. `grpo`   — `train.steps` GRPO steps from the SFT checkpoint: segments, penalties (memexrl/trainer.py);
+3. `grpo`   — `train.steps` GRPO steps from the SFT checkpoint: segments, penalties (training/trainer.py);
 4. `eval`   — ALFWorld evaluation of the SFT and GRPO checkpoints on held-out games, each agent of
               `demo.eval_agents` (eval/alfworld.py), and their comparison table and chart;
 5. `lme`    — a synthetic LME-V2 set (eval/lme/synth.py) and the memory modules of `demo.lme_memories`
@@ -28,9 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from memexrl.atomic import write_text_atomic
-from memexrl.config import Config
-from memexrl.errors import MemexError
+from common.atomic import write_text_atomic
+from common.config import Config
+from common.errors import MemexError
 from memexrl.plot import read_metrics
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ def stage_sft(demo: Demo, where: Path) -> dict:
 
 
 def stage_grpo(demo: Demo, where: Path) -> dict:
-    from memexrl.trainer import train
+    from training.trainer import train
 
     cfg = copy.deepcopy(demo.cfg)
     cfg.train.init_checkpoint = str(demo.dir("sft"))

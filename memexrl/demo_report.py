@@ -11,8 +11,8 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.atomic import write_text_atomic
 from eval.compare import table
-from memexrl.atomic import write_text_atomic
 
 if TYPE_CHECKING:  # memexrl/demo.py calls write_report; nothing here imports it at run time
     from memexrl.demo import Demo

@@ -1,6 +1,6 @@
 """Does a GRPO plan fit the GPU? Peak memory per GPU of `memexrl train`, phase by phase (`--dry-run`).
 
-Each training process owns one GPU. What it holds, by phase of a step (memexrl/trainer.py):
+Each training process owns one GPU. What it holds, by phase of a step (training/trainer.py):
   rollout   the trainer's resident state (weights, frozen reference, gradient and optimizer partitions:
             memexrl/plan.py `memory_per_process`) + the colocated vLLM's share of the GPU
             (rollout.vllm_gpu_memory_utilization x GPU memory: its weights and KV cache), or, for the

@@ -1,7 +1,7 @@
 """`memexrl train --dry-run`: the resolved plan of a GRPO run, without loading the model or a GPU.
 
 Pure functions over the config: how many processes and where that number comes from, the
-batch arithmetic of memexrl/trainer.py (rollouts per step, each process's share, optimizer
+batch arithmetic of training/trainer.py (rollouts per step, each process's share, optimizer
 steps per rollout step), and a rough memory estimate per process: weights, gradients and Adam
 states, sharded by the ZeRO stage of the DeepSpeed config if one is used, LoRA counting only the
 adapter's gradients and states. Activations, the KV cache and the rollout engine's own memory
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import yaml
 
-from memexrl.config import Config, TrainSection
-from memexrl.errors import MemexError
+from common.config import Config
+from common.errors import MemexError
 from memexrl.gpu_budget import GIB, Architecture, Budget, Offload, budget, format_budget, minimum_share
-from memexrl.lora import count_lora_parameters, resolve_targets
-from memexrl.quantize import is_quant_target
+from modeling.lora import count_lora_parameters, resolve_targets
+from modeling.quantize import is_quant_target
 
 # Architectures whose config.json may not be on this machine: the values that fix the parameter
 # count, copied from the config.json the source names. Only used when the real config is not found.
@@ -110,8 +110,8 @@ def _find_config(name: str, cache: str):
     """(transformers config, source) for a model name, offline; (None, '') when not found."""
     from transformers import AutoConfig
 
-    from memexrl.model_zoo import cache_dir
-    from memexrl.models import adapter_base
+    from modeling.load import adapter_base
+    from modeling.zoo import cache_dir
 
     if name in _ALIASES:
         subdir, hub_id = _ALIASES[name]
@@ -214,10 +214,6 @@ def memory_per_process(numbers: ModelNumbers, finetune: str, weight_bytes: int, 
 
 
 # ---------------------------------------------------------------------------------- the plan
-def optimizer_steps_per_rollout_step(t: TrainSection) -> int:
-    return t.tasks_per_step * t.group_size // t.global_batch_size
-
-
 @dataclass
 class Plan:
     processes: int
@@ -251,7 +247,7 @@ def make_plan(cfg: Config, processes: int, processes_source: str, zero_stage: in
         raise MemexError(f"train.tasks_per_step ({t.tasks_per_step}) and train.global_batch_size "
                          f"({t.global_batch_size}) must be multiples of the {processes} processes")
     rollouts = t.tasks_per_step * t.group_size
-    updates = optimizer_steps_per_rollout_step(t)
+    updates = t.updates_per_step
     weight_bytes = _BYTES.get(cfg.model.dtype.lower().removeprefix("torch."), 4)
     if zero_stage >= 0 and t.mixed_precision in ("bf16", "fp16"):
         weight_bytes = 2  # DeepSpeed casts the module to 16 bits and keeps an fp32 master copy

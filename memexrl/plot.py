@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from memexrl.errors import MemexError
-from memexrl.jsonl import read_jsonl
+from common.errors import MemexError
+from common.jsonl import read_jsonl
 
 # (file name, title, metric keys drawn in one axes)
 FIGURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -21,7 +21,7 @@ FIGURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("reward.png", "Reward and penalties", ("reward_mean", "penalty_context", "penalty_redundancy", "penalty_format")),
     ("context.png", "Peak working context (tokens)", ("peak_working_tokens",)),
     ("memory.png", "Memory tool calls", ("num_compress", "num_read")),
-    ("kl.png", "KL to reference", ("kl",)),
+    ("kl.png", "KL to reference (kl) and to the rollout policy (approx_kl)", ("kl", "approx_kl")),
     ("clip.png", "Clip fractions", ("clip_frac", "tis_clip_frac")),
     ("loss.png", "Loss", ("loss", "eval_loss")),
     ("entropy.png", "Entropy", ("entropy",)),

@@ -5,6 +5,7 @@ from rewards.memex import (
     format_penalty,
     mark_redundant,
     redundancy_penalty,
+    score_trajectories,
     score_trajectory,
     task_reward,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "format_penalty",
     "mark_redundant",
     "redundancy_penalty",
+    "score_trajectories",
     "score_trajectory",
     "task_reward",
 ]

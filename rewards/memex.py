@@ -1,15 +1,18 @@
 """R = R_task - P_context - P_redundancy - P_format (memex.md "Reward"; paper section 4.7).
 
 Plain functions over the steps of a finished trajectory, each penalty in [0, 1] times its
-weight. The env gives no reward shaping: it only says whether the task was won.
+weight. The env gives no reward shaping: it only says whether the task was won. The weights
+have one home, `RewardConfig` (common/config.py); the agent loop never scores: whoever runs the
+episodes (trainer, eval, replay, demonstrations) calls `score_trajectories` once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from memexrl.memory.parsing import MEMORY_TOOLS, canonical_call
-from memexrl.trajectory import Step, Trajectory
+from common.config import RewardConfig
+from common.trajectory import Step, Trajectory
+from memory.parsing import MEMORY_TOOLS, canonical_call
 
 
 def task_reward(success: bool) -> float:
@@ -18,7 +21,7 @@ def task_reward(success: bool) -> float:
 
 
 def context_penalty(
-    working_tokens: Sequence[int], compressed: Sequence[bool], threshold: int, weight: float = 1.0
+    working_tokens: Sequence[int], compressed: Sequence[bool], threshold: int, weight: float
 ) -> float:
     """P_context = w * min(1, sum_t max(0, C_t - T) / (T * steps)).
 
@@ -60,7 +63,7 @@ def _non_memory_calls(steps: Sequence[Step]) -> int:
     return sum(1 for s in steps if s.tool is not None and not s.format_error and s.tool not in MEMORY_TOOLS)
 
 
-def redundancy_penalty(steps: Sequence[Step], weight: float = 0.05) -> float:
+def redundancy_penalty(steps: Sequence[Step], weight: float) -> float:
     """P_redundancy = w * N_redundant / N_tool_calls, over non-memory tool calls."""
     calls = _non_memory_calls(steps)
     if calls == 0:
@@ -68,7 +71,7 @@ def redundancy_penalty(steps: Sequence[Step], weight: float = 0.05) -> float:
     return weight * sum(mark_redundant(steps)) / calls
 
 
-def format_penalty(steps: Sequence[Step], weight: float = 1.0) -> float:
+def format_penalty(steps: Sequence[Step], weight: float) -> float:
     """P_format = w * (steps with a malformed call / steps that attempted a call)."""
     attempted = sum(1 for s in steps if s.format_error or s.tool is not None)
     if attempted == 0:
@@ -76,20 +79,24 @@ def format_penalty(steps: Sequence[Step], weight: float = 1.0) -> float:
     return weight * sum(s.format_error for s in steps) / attempted
 
 
-def score_trajectory(
-    traj: Trajectory, threshold: int, lambda_ctx: float = 1.0, lambda_red: float = 0.05, lambda_fmt: float = 1.0
-) -> dict[str, float]:
+def score_trajectory(traj: Trajectory, threshold: int, weights: RewardConfig) -> dict[str, float]:
     """Mark redundant steps and fill `traj.reward` with the design.md reward block."""
     for step, flag in zip(traj.steps, mark_redundant(traj.steps)):
         step.redundant = flag
     reward = {
         "task": task_reward(traj.success),
         "context": context_penalty(
-            [s.working_tokens for s in traj.steps], [s.compressed for s in traj.steps], threshold, lambda_ctx
+            [s.working_tokens for s in traj.steps], [s.compressed for s in traj.steps], threshold, weights.lambda_ctx
         ),
-        "redundancy": redundancy_penalty(traj.steps, lambda_red),
-        "format": format_penalty(traj.steps, lambda_fmt),
+        "redundancy": redundancy_penalty(traj.steps, weights.lambda_red),
+        "format": format_penalty(traj.steps, weights.lambda_fmt),
     }
     reward["total"] = reward["task"] - reward["context"] - reward["redundancy"] - reward["format"]
     traj.reward = reward
     return reward
+
+
+def score_trajectories(trajs: Sequence[Trajectory], threshold: int, weights: RewardConfig) -> None:
+    """R for every finished trajectory of a run: T is memory.threshold, the weights the run's `reward` section."""
+    for traj in trajs:
+        score_trajectory(traj, threshold, weights)

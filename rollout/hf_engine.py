@@ -21,8 +21,7 @@ import inspect
 
 import torch
 
-from memexrl.agent import Completion
-from rollout.engines import Engine, GenerationRequest
+from common.engine import Completion, Engine, GenerationRequest
 from rollout.kv_buffer import KV, buffer_cache, padded_buffer_cache
 
 # KV (rollout/kv_buffer.py): per layer keys, values, each (1, H, L, D) for one episode

@@ -17,14 +17,14 @@ from typing import Protocol
 
 from tqdm.auto import tqdm
 
-from memexrl.agent import MEMEX_AGENT, Episode
-from memexrl.agents import AgentSpec
-from memexrl.config import Config
-from memexrl.memory.context import ChatRenderer
-from memexrl.memory.prompts import tool_schemas
-from memexrl.memory.store import ExperienceStore, open_store
-from memexrl.trajectory import Trajectory
-from rollout.engines import Engine, GenerationRequest
+from common.config import Config
+from common.engine import Engine, GenerationRequest
+from common.trajectory import Trajectory
+from memory.context import ChatRenderer
+from memory.prompts import tool_schemas
+from memory.store import ExperienceStore, open_store
+from rollout.episode import MEMEX_AGENT, Episode
+from rollout.strategies import AgentSpec
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,8 @@ def run_episodes(
     make_store = store_factory or (
         lambda _id: open_store(cfg.memory.backend, cfg.memory.sqlite_path, namespace=_id)
     )
-    episodes = {eid: Episode(eid, str(game), renderer, make_store(eid), cfg, agent) for eid, game in jobs}
+    episodes = {eid: Episode(eid, str(game), renderer, make_store(eid), memory=cfg.memory, env=cfg.env,
+                              rollout=cfg.rollout, agent=agent) for eid, game in jobs}
     t0 = time.perf_counter()
     for answer in envs.reset_many([(eid, str(game)) for eid, game in jobs]):
         episodes[answer.episode_id].start(answer)

@@ -71,11 +71,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from memexrl.agent import Completion
-from memexrl.errors import MemexError
-from memexrl.quantize import Int4Layout, int4_layout
-from memexrl.zero3 import gathered
-from rollout.engines import Engine, GenerationRequest
+from common.config import RolloutConfig
+from common.engine import Completion, Engine, GenerationRequest
+from common.errors import MemexError
+from modeling.quantize import Int4Layout, int4_layout
+from modeling.zero3 import gathered
 from rollout.weights import BUCKET_BYTES, buckets, checkpoint_tensors
 
 EXTENSION = "rollout.vllm.WorkerWeightSync"
@@ -317,8 +317,8 @@ class Ranks:
         return cls(accelerator.process_index, accelerator.local_process_index, accelerator.num_processes)
 
 
-def colocated_llm_kwargs(cfg, ranks: Ranks, lora_rank: int, sleep_mode: bool, accepted: set[str],
-                         **llm_kwargs) -> dict:
+def colocated_llm_kwargs(*, dtype: str, seed: int, ranks: Ranks, lora_rank: int, sleep_mode: bool,
+                         accepted: set[str], **llm_kwargs) -> dict:
     """The keyword arguments of this process's colocated `vllm.LLM` (the ones the installed vLLM accepts).
 
     Several training processes (accelerate / DeepSpeed launch): each builds its own engine, as TRL's
@@ -330,7 +330,7 @@ def colocated_llm_kwargs(cfg, ranks: Ranks, lora_rank: int, sleep_mode: bool, ac
     because ranks of one tensor-parallel engine would have to generate in lockstep, and each rank's
     multi-turn episodes end after different numbers of rounds. One process: vLLM's own executor.
     """
-    kwargs = {"dtype": cfg.model.dtype, "seed": cfg.seed, "worker_extension_cls": EXTENSION,
+    kwargs = {"dtype": dtype, "seed": seed, "worker_extension_cls": EXTENSION,
               "logprobs_mode": "raw_logprobs"}
     if sleep_mode:
         kwargs["enable_sleep_mode"] = True
@@ -355,17 +355,19 @@ def launcher_environment(ranks: Ranks, env=os.environ) -> None:
     env.setdefault("MASTER_PORT", "29500")
 
 
-def make_vllm_engine(cfg, model_dir: str, tokenizer, *, server_url: str | None = None, served_model: str = "",
-                     lora_rank: int = 0, ranks: Ranks = Ranks(), **llm_kwargs) -> VLLMEngine:
-    """A VLLMEngine from the config: server mode when `server_url` is given, else a colocated LLM.
+def make_vllm_engine(*, model_dir: str, tokenizer, sampling: RolloutConfig, seed: int, dtype: str,
+                     server_url: str | None = None, served_model: str = "", lora_rank: int = 0, ranks: Ranks = Ranks(),
+                     **llm_kwargs) -> VLLMEngine:
+    """A VLLMEngine: server mode when `server_url` is given, else a colocated LLM of `dtype` weights.
 
+    `sampling` gives temperature / top_p / top_k (the run's `rollout` section), `seed` the sampling seed.
     `lora_rank` > 0 enables LoRA adapters of that rank (pass cfg.train.lora_r for finetune lora/qlora).
     `ranks`: this process among the training processes (`Ranks.of(accelerator)`); with more than one,
     each process's engine goes on its own GPU (`colocated_llm_kwargs`).
     Extra keyword arguments go to `vllm.LLM` (gpu_memory_utilization, max_model_len, dtype...).
     """
-    r = cfg.rollout
-    common = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "seed": cfg.seed}
+    r = sampling
+    common = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "seed": seed}
     if server_url:
         return VLLMEngine(tokenizer, server_url=server_url, served_model=served_model or str(model_dir),
                           model_dir=str(model_dir), **common)
@@ -376,7 +378,8 @@ def make_vllm_engine(cfg, model_dir: str, tokenizer, *, server_url: str | None =
 
     sleep_ok = getattr(current_platform, "is_sleep_mode_available", lambda: False)()
     accepted = _engine_args() | set(inspect.signature(LLM.__init__).parameters)
-    kwargs = colocated_llm_kwargs(cfg, ranks, lora_rank, sleep_ok, accepted, **llm_kwargs)
+    kwargs = colocated_llm_kwargs(dtype=dtype, seed=seed, ranks=ranks, lora_rank=lora_rank, sleep_mode=sleep_ok,
+                                  accepted=accepted, **llm_kwargs)
     if ranks.world_size > 1:
         launcher_environment(ranks)
     llm = LLM(model=str(model_dir), **kwargs)

@@ -25,9 +25,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from memexrl.errors import MemexError
-from memexrl.quantize import FakeQuant, Int4Layout, fake_quant, pack_weight
-from memexrl.zero3 import gathered
+from common.errors import MemexError
+from modeling.quantize import FakeQuant, Int4Layout, fake_quant, pack_weight
+from modeling.zero3 import gathered
 
 BUCKET_BYTES = 256 * 2**20
 _LATENT = re.compile(r"\.parametrizations\.(\w+)\.original$")  # a parametrized tensor's latent value

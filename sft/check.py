@@ -13,10 +13,11 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
+from common.config import Config
+from common.trajectory import Trajectory
 from envs.data import ordered_games
-from memexrl.config import Config
-from memexrl.models import load_policy
-from memexrl.trajectory import Trajectory
+from modeling.load import load_policy
+from rewards import score_trajectories
 from rollout.hf_engine import TransformersEngine
 from rollout.runner import make_renderer, open_envs, run_episodes
 
@@ -49,6 +50,7 @@ def post_sft_check(cfg: Config, checkpoint: str | Path, out_dir: str | Path) -> 
     jobs = [(f"check-{i}", str(g)) for i, g in enumerate(games)]
     with open_envs(cfg) as envs:
         trajs = run_episodes(jobs, engine, envs, make_renderer(tokenizer, cfg), cfg, progress=True)
+    score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
     report = {"checkpoint": str(checkpoint), "split": cfg.sft.check_split, "temperature": cfg.sft.check_temperature,
               **summarize(trajs)}
     out = Path(out_dir)

@@ -20,9 +20,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from common.errors import MemexError
+from common.jsonl import read_jsonl
 from envs.data import parse_task_types
-from memexrl.errors import MemexError
-from memexrl.jsonl import read_jsonl
 
 log = logging.getLogger(__name__)
 

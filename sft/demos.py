@@ -16,10 +16,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from common.config import Config
+from common.errors import MemexError
+from common.trajectory import Trajectory, success_by_task_type
 from envs.data import list_games, ordered_games
-from memexrl.config import Config
-from memexrl.errors import MemexError
-from memexrl.trajectory import Trajectory, success_by_task_type
+from rewards import score_trajectories
 from rollout.runner import make_renderer, open_envs, run_episodes
 from sft.expert import MemexExpertEngine
 
@@ -72,6 +73,7 @@ def run_expert(
                 jobs[i : i + chunk], engine, envs, renderer, cfg, store_factory=store_factory, progress=progress
             )
             log.info("expert: %d/%d games, %d won", len(trajs), len(jobs), sum(t.success for t in trajs))
+    score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
     return trajs, engine
 
 
@@ -88,13 +90,13 @@ def make_demonstrations(
     """Play the Memex expert on the first `n_games` games of `split` (in `order`, of `task_types` only when
     given: see `ordered_games`); return (successful trajectories, report).
 
-    `tokenizer` defaults to the config's policy tokenizer (`memexrl.models.load_tokenizer(cfg.model)`).
+    `tokenizer` defaults to the config's policy tokenizer (`modeling.load.load_tokenizer(cfg.model)`).
     """
     if n_games < 1:
         raise MemexError(f"the number of games must be >= 1, got {n_games}")
     games = ordered_games(split, cfg.env.data_dir, order, task_types)[:n_games]
     if tokenizer is None:
-        from memexrl.models import load_tokenizer
+        from modeling.load import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model)
     start = time.perf_counter()

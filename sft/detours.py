@@ -40,8 +40,8 @@ import copy
 import random
 import re
 
-from memexrl.memory.anchors import extract_span
-from memexrl.memory.parsing import CLOSE_TAG, OPEN_TAG, parse_tool_call
+from memory.anchors import extract_span
+from memory.parsing import CLOSE_TAG, OPEN_TAG, parse_tool_call
 
 DETOUR_KINDS = ("wander", "revisit", "repeat")
 BROKEN_COMPRESS_KINDS = ("wrong_anchor", "missing_anchor", "twice")  # rejected by CompressExperience

@@ -11,7 +11,7 @@ behaviour the policy should learn:
   with an index-map summary that names every index of the store (memex.md: carry indices over);
 - exact evidence archived by anchor mode (the room overview from `look`, the observations where
   the target objects were seen: start/mid/end anchors copied from the working context and checked
-  with memexrl/memory/anchors.py before the call) and derived facts by explicit mode (what is held,
+  with memory/anchors.py before the call) and derived facts by explicit mode (what is held,
   where the targets are, what was checked);
 - `ReadExperience` before an action that names an object or receptacle absent from the working
   context but present in an archived block, instead of exploring again.
@@ -33,9 +33,10 @@ import logging
 import re
 from collections import Counter
 
-from memexrl.memory.anchors import extract_span
-from memexrl.memory.parsing import COMPRESS, EXECUTE_ACTION, READ
-from rollout.engines import GenerationRequest, ScriptedEngine
+from common.engine import GenerationRequest
+from memory.anchors import extract_span
+from memory.parsing import COMPRESS, EXECUTE_ACTION, READ
+from rollout.scripted import ScriptedEngine
 from sft.dataset import game_id
 from sft.detours import (
     break_compress,
@@ -165,7 +166,7 @@ class MemexExpertEngine(ScriptedEngine):
             return None  # never twice without acting in between, nor between a read and the action it serves
         if milestone and notes.env_since_compress >= MIN_STEPS_BETWEEN_COMPRESSIONS:
             return "milestone"
-        threshold = ep.cfg.memory.threshold * ep.cfg.memory.warn_ratio
+        threshold = ep.memory.threshold * ep.memory.warn_ratio
         return "context" if ep.context.working_tokens > threshold else None
 
     @staticmethod
@@ -219,7 +220,7 @@ class MemexExpertEngine(ScriptedEngine):
         """
         context_text = ep.context.working_text()
         anchored = evidence_blocks(notes, targets, context_text)
-        working, threshold = ep.context.working_tokens, ep.cfg.memory.threshold
+        working, threshold = ep.context.working_tokens, ep.memory.threshold
         if reason == "milestone":
             why = f"I {notes.milestone}: a good point to compress my context and archive the details."
         else:  # W triggered it

@@ -14,14 +14,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from memexrl.config import Config
-from memexrl.errors import MemexError
-from memexrl.lora import lora_config
-from memexrl.models import load_policy, resolve_device
-from memexrl.seeding import seed_everything
-from memexrl.train_log import import_wandb
-from memexrl.train_state import STATE_FILE, publish, staging_dir
+from common.config import Config
+from common.errors import MemexError
+from common.seeding import seed_everything
+from modeling.load import load_policy, resolve_device
+from modeling.lora import lora_config
 from sft.dataset import build_dataset
+from training.log import import_wandb
+from training.state import STATE_FILE, publish, staging_dir
 
 log = logging.getLogger(__name__)
 

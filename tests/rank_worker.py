@@ -1,7 +1,7 @@
 """One rank of tests/test_distributed.py, started by `accelerate launch --num_processes N` (tests/ranks.py).
 
     rank_worker.py lockstep OUT_DIR [section.key=value ...]
-        memexrl.trainer.Trainer on the config, then this rank's segments (rank r holds 2 + 2r of them, so
+        training.trainer.Trainer on the config, then this rank's segments (rank r holds 2 + 2r of them, so
         the ranks hold different numbers, as when their trajectories compressed a different number of
         times) through the trainer's own old / reference log-probs and one optimizer step; writes
         OUT_DIR/rank-R.json: the log-probs, the update's metrics, the INT4 fake-quant parametrizations.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from memexrl.batching import SegmentSample
+from training.batching import SegmentSample
 
 
 def segment_samples(rank: int, count: int, vocab: int = 1000) -> list[SegmentSample]:
@@ -37,15 +37,15 @@ def segment_samples(rank: int, count: int, vocab: int = 1000) -> list[SegmentSam
 
 
 def trainer_for(overrides: list[str]):
-    from memexrl.config import load_config
-    from memexrl.trainer import Trainer
+    from common.config import load_config
+    from training.trainer import Trainer
 
     torch.set_num_threads(1)
     return Trainer(load_config("configs/tiny-cpu.yaml", overrides))
 
 
 def fake_quant_count(module) -> int:
-    from memexrl.quantize import FakeQuant
+    from modeling.quantize import FakeQuant
 
     return sum(isinstance(m, FakeQuant) for m in module.modules())
 
@@ -68,7 +68,7 @@ def lockstep(out_dir: Path, overrides: list[str]) -> None:
 def sync(out_dir: Path, int4_dir: str, overrides: list[str]) -> None:
     from safetensors.torch import save_file
 
-    from memexrl.quantize import int4_layout
+    from modeling.quantize import int4_layout
     from rollout.weights import checkpoint_state_dict
 
     trainer = trainer_for(overrides)

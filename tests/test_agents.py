@@ -1,4 +1,4 @@
-"""Each agent's context policy (memexrl/agents.py): what is in the prompt at step t, on a real game with
+"""Each agent's context policy (rollout/strategies.py): what is in the prompt at step t, on a real game with
 a scripted policy, the real env and the real tokenizer."""
 
 import os
@@ -9,11 +9,11 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402
 
+from common.config import load_config  # noqa: E402
 from envs.data import resolve_game  # noqa: E402
-from memexrl.agents import AGENT_NAMES, CHAIN_HEADER, make_agent, state_summary  # noqa: E402
-from memexrl.config import load_config  # noqa: E402
-from rollout.engines import ScriptedEngine  # noqa: E402
 from rollout.runner import make_renderer, open_envs, run_episodes  # noqa: E402
+from rollout.scripted import ScriptedEngine  # noqa: E402
+from rollout.strategies import AGENT_NAMES, CHAIN_HEADER, make_agent, state_summary  # noqa: E402
 
 GAME = "valid_unseen:0"
 MOVES = ["go to drawer 1", "open drawer 1", "go to drawer 2", "open drawer 2", "go to shelf 1"]

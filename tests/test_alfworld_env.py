@@ -17,6 +17,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from common.errors import MemexError  # noqa: E402
 from envs.alfworld import (  # noqa: E402
     EPISODE_OVER,
     LOOK_REFUSAL,
@@ -34,7 +35,6 @@ from envs.data import (  # noqa: E402
     task_type_of,
 )
 from envs.pool import EnvPool  # noqa: E402
-from memexrl.errors import MemexError  # noqa: E402
 
 # A valid_seen game the handcoded expert wins in 15 steps while issuing `look` twice: the modified
 # env plays the second one silently (the expert's bookkeeping needs it) and offers the next action.

@@ -1,6 +1,6 @@
 """Anchor-mode extraction: verbatim spans, exact match first, then whitespace-collapsed."""
 
-from memexrl.memory.anchors import extract_span, fill_content
+from memory.anchors import extract_span, fill_content
 
 CONTEXT = (
     "You arrive at fridge 1. The fridge 1 is closed.\n\n"

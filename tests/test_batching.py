@@ -1,13 +1,13 @@
-"""Trajectories -> training sequences (memexrl/batching.py): weights, padding, log-prob alignment."""
+"""Trajectories -> training sequences (training/batching.py): weights, padding, log-prob alignment."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from memexrl.batching import advantages_for, build_samples, collate, fill_logprobs
-from memexrl.config import load_config
-from memexrl.trajectory import Segment, Trajectory
+from common.config import load_config
+from common.trajectory import Segment, Trajectory
+from training.batching import advantages_for, build_samples, collate, fill_logprobs
 
 
 def _traj(reward: float, segments: list[tuple[int, int]]) -> Trajectory:
@@ -66,7 +66,7 @@ def test_collate_shifts_and_pads():
 def test_trainer_logprobs_equal_the_engines(alfworld_data):
     """Token-in/token-out: the trainer's recomputed log-probs of the sampled tokens are the engine's."""
     from envs.data import list_games
-    from memexrl.models import load_policy
+    from modeling.load import load_policy
     from rollout.hf_engine import TransformersEngine
     from rollout.runner import make_renderer, open_envs, run_episodes
 
@@ -90,8 +90,8 @@ def test_trainer_logprobs_equal_the_engines(alfworld_data):
 @pytest.mark.parametrize("with_grad", [True, False])
 def test_chunked_output_head_equals_the_whole_head(with_grad):
     """train.head_chunk_size: slices of the output layer (checkpointed) give the same log-probs, entropy and gradients."""
-    from memexrl.batching import SegmentSample, sequence_logprobs
-    from memexrl.models import load_policy
+    from modeling.load import load_policy
+    from training.batching import SegmentSample, sequence_logprobs
 
     torch.manual_seed(0)
     cfg = load_config(None, ["model.name=tiny-qwen3-moe", "model.device=cpu"])
@@ -123,8 +123,8 @@ def test_chunked_output_head_through_a_ddp_wrapper():
     import torch.distributed as dist
     from ranks import free_port
 
-    from memexrl.batching import SegmentSample, sequence_logprobs
-    from memexrl.models import load_policy
+    from modeling.load import load_policy
+    from training.batching import SegmentSample, sequence_logprobs
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

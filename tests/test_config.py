@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from memexrl.config import Config, load_config
-from memexrl.errors import MemexError
+from common.config import Config, load_config
+from common.errors import MemexError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 

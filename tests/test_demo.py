@@ -4,10 +4,10 @@ import json
 
 import pytest
 
+from common.config import load_config
+from common.errors import MemexError
 from eval.compare import table
-from memexrl.config import load_config
 from memexrl.demo import DONE_FILE, QUICK_OVERRIDES, Demo, check_lme_sizes, check_same_config, run_demo
-from memexrl.errors import MemexError
 
 
 def test_an_interrupted_stage_starts_again_from_a_clean_directory(tmp_path):

@@ -9,13 +9,13 @@ import random  # noqa: E402
 
 import pytest  # noqa: E402
 
+from common.config import load_config  # noqa: E402
 from envs.data import ordered_games  # noqa: E402
 from memexrl.cli import replay  # noqa: E402
-from memexrl.config import load_config  # noqa: E402
-from memexrl.memory.context import WorkingContext  # noqa: E402
-from memexrl.memory.parsing import COMPRESS, parse_tool_call  # noqa: E402
-from memexrl.memory.store import open_store  # noqa: E402
-from memexrl.memory.tools import run_compress  # noqa: E402
+from memory.context import WorkingContext  # noqa: E402
+from memory.parsing import COMPRESS, parse_tool_call  # noqa: E402
+from memory.store import open_store  # noqa: E402
+from memory.tools import run_compress  # noqa: E402
 from sft import detours  # noqa: E402
 from sft.demos import run_expert  # noqa: E402
 from sft.expert import failed_compress  # noqa: E402
@@ -66,7 +66,8 @@ def compress_with(arguments, smol_tokenizer):
     """Run CompressExperience for real on a context holding the look output: (outcome, store)."""
     from rollout.runner import make_renderer
 
-    ctx = WorkingContext(make_renderer(smol_tokenizer, load_config(None, [])), "system", "find a mug.", threshold=1000)
+    ctx = WorkingContext(make_renderer(smol_tokenizer, load_config(None, [])), "system", "find a mug.", threshold=1000,
+                         warn_ratio=0.8)
     ctx.add_observation(LOOK, [])
     ctx.add_assistant("Time to compress.", [1], [0.0], step=1)
     store = open_store("memory")

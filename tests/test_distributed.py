@@ -24,10 +24,10 @@ from ranks import launch_ranks
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from memexrl.batching import fill_logprobs
-from memexrl.config import load_config
-from memexrl.finetune import load_policy_for_grpo
-from memexrl.quantize import quantize_checkpoint
+from common.config import load_config
+from modeling.quantize import quantize_checkpoint
+from training.batching import fill_logprobs
+from training.policy import load_policy_for_grpo
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
@@ -49,9 +49,9 @@ def single_process(args: list[str]):
     """What one plain process computes on both ranks' segments: log-probs per rank, the averaged step's grad norm."""
     from accelerate import Accelerator
 
-    from memexrl.seeding import seed_everything
-    from memexrl.trainer import make_optimizer
-    from memexrl.update import pad_id, update_policy
+    from common.seeding import seed_everything
+    from training.trainer import make_optimizer
+    from training.update import pad_id, update_policy
 
     torch.set_num_threads(1)
     cfg = load_config("configs/tiny-cpu.yaml", args)
@@ -69,8 +69,9 @@ def single_process(args: list[str]):
         s.weight /= 2  # DeepSpeed averages the ranks' gradients
     acc = Accelerator(cpu=True)
     optimizer, scheduler = make_optimizer(policy, cfg)
-    metrics = update_policy(policy.model, optimizer, scheduler, acc, [every], cfg.train, policy.tokenizer,
-                            policy.trainable_parameters())
+    metrics = update_policy(model=policy.model, optimizer=optimizer, scheduler=scheduler, accelerator=acc,
+                            samples_per_update=[every], train=cfg.train, pad_token_id=pad,
+                            params=policy.trainable_parameters())
     return per_rank, metrics, fake_quant_count(policy.model)
 
 

@@ -8,12 +8,12 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402
 
+from common.config import load_config  # noqa: E402
+from common.trajectory import Step, Trajectory  # noqa: E402
 from envs.data import TASK_TYPES, task_type_of  # noqa: E402
 from eval.alfworld import RESULT_FILE, aggregate, eval_games  # noqa: E402
 from eval.m2_insights import InsightBank, distill, strip_ids  # noqa: E402
 from memexrl.cli import main  # noqa: E402
-from memexrl.config import load_config  # noqa: E402
-from memexrl.trajectory import Step, Trajectory  # noqa: E402
 
 
 def test_stratified_subset_is_deterministic(alfworld_data):

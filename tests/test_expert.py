@@ -13,6 +13,7 @@ from types import SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 
 import envs.alfworld as alfworld  # noqa: E402
+from common.config import load_config  # noqa: E402
 from envs.alfworld import ModifiedAlfWorld, expert_spelling  # noqa: E402
 from envs.data import (  # noqa: E402
     TASK_TYPES,
@@ -23,9 +24,8 @@ from envs.data import (  # noqa: E402
 )
 from envs.pool import EnvPool  # noqa: E402
 from memexrl.cli import main, replay  # noqa: E402
-from memexrl.config import load_config  # noqa: E402
-from memexrl.memory.parsing import COMPRESS, EXECUTE_ACTION, READ  # noqa: E402
-from memexrl.memory.store import InMemoryStore  # noqa: E402
+from memory.parsing import COMPRESS, EXECUTE_ACTION, READ  # noqa: E402
+from memory.store import InMemoryStore  # noqa: E402
 from sft.demos import run_expert  # noqa: E402
 from sft.expert import MIN_STEPS_BETWEEN_COMPRESSIONS, anchor_block, failed_compress  # noqa: E402
 from sft.world import WorldNotes, action_names, mentions, seen_items  # noqa: E402

@@ -11,11 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from common.config import load_config
+from common.engine import Completion
 from envs.data import resolve_game
 from envs.inline import InlineEnvs
-from memexrl.agent import Completion, Episode
-from memexrl.config import load_config
-from memexrl.memory.store import InMemoryStore
+from memory.store import InMemoryStore
+from rewards import score_trajectory
+from rollout.episode import Episode
 from rollout.runner import make_renderer
 
 TOOLS = ["execute_action", "CompressExperience", "ReadExperience", "finish", "fly", ""]
@@ -68,7 +70,8 @@ class Harness:
 
     def new_episode(self):
         self.n += 1
-        self.episode = Episode(f"e{self.n}", self.game, self.renderer, InMemoryStore(), self.cfg)
+        self.episode = Episode(f"e{self.n}", self.game, self.renderer, InMemoryStore(), memory=self.cfg.memory,
+                               env=self.cfg.env, rollout=self.cfg.rollout)
         (answer,) = self.envs.reset_many([(self.episode.id, self.game)])
         self.episode.start(answer)
 
@@ -90,7 +93,7 @@ class Harness:
         assert step.working_tokens == len(ep.context.token_ids()) - ep.context.header_len
         assert len(ep.context.segments) == sum(s.compressed for s in ep.traj.steps) + 1
         if ep.done:
-            assert ep.traj.reward["total"] <= 1.0
+            assert score_trajectory(ep.traj, self.cfg.memory.threshold, self.cfg.reward)["total"] <= 1.0
             self.envs.close_episode(ep.id)
             self.new_episode()
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from memexrl import grpo
+from training import grpo
 
 
 def test_group_advantages_hand_computed():
@@ -74,7 +74,7 @@ def test_policy_loss_clips_both_sides():
 
 def test_policy_loss_gradient_zero_when_clipped():
     logp = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_()
-    loss, _ = grpo.policy_loss(logp, torch.zeros(1, 2), torch.ones(1, 2))
+    loss, _ = grpo.policy_loss(logp, torch.zeros(1, 2), torch.ones(1, 2), clip_low=0.2, clip_high=0.28)
     loss.sum().backward()
     assert logp.grad.tolist()[0] == pytest.approx([0.0, -1.1], abs=1e-6)  # d(-r)/dlogp = -r
 
@@ -97,6 +97,13 @@ def test_kl_k3_hand_computed():
     assert (kl >= 0).all()
 
 
+def test_approx_kl_hand_computed():
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.2]]))
+    logp = torch.log(torch.tensor([[0.5, 0.25, 0.4]]))  # ratios 1, 0.5, 2
+    expected = [0.0, 0.5 - 1 - math.log(0.5), 2 - 1 - math.log(2)]  # (r - 1) - log r
+    assert grpo.approx_kl(logp, old).tolist()[0] == pytest.approx(expected, abs=1e-6)
+
+
 def test_entropy():
     logits = torch.tensor([[[0.0, 0.0], [0.0, -1e9]]])
     assert grpo.entropy(torch.log_softmax(logits, dim=-1)).tolist()[0] == pytest.approx([math.log(2), 0.0], abs=1e-6)
@@ -109,11 +116,13 @@ def test_token_loss_composes_parts():
     ref = torch.log(torch.tensor([[0.5, 0.5]]))
     ent = torch.tensor([[1.0, 2.0]])
     adv = torch.tensor([[1.0, -1.0]])
-    loss, parts = grpo.token_loss(logp, old, rollout, ref, ent, adv, kl_coef=0.1, entropy_coef=0.01)
+    release = {"clip_low": 0.2, "clip_high": 0.28, "tis_cap": 2.0}
+    loss, parts = grpo.token_loss(logp, old, rollout, ref, ent, adv, **release, kl_coef=0.1, entropy_coef=0.01)
     k3 = 2 - math.log(2) - 1
     assert loss.tolist()[0] == pytest.approx([2 * -1.0 - 0.01, 1.0 + 0.1 * k3 - 0.02], abs=1e-6)
     assert parts["tis_clipped"].sum() == 0
-    no_tis, _ = grpo.token_loss(logp, old, rollout, None, None, adv, tis_cap=None)
+    no_tis, _ = grpo.token_loss(logp, old, rollout, None, None, adv, **{**release, "tis_cap": None}, kl_coef=0.1,
+                                 entropy_coef=0.01)
     assert no_tis.tolist()[0] == pytest.approx([-1.0, 1.0])
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from common.config import load_config
 from memexrl.cli import main
-from memexrl.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

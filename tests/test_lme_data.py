@@ -11,11 +11,11 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from common.errors import MemexError  # noqa: E402
 from eval.lme.data import QUESTION_TYPES, load_lme  # noqa: E402
 from eval.lme.records import state_text  # noqa: E402
 from eval.lme.scoring import DEFAULT_SEPARATORS, normalize, parse_eval_function  # noqa: E402
 from eval.lme.synth import EVIDENCE_FILE, synth_command, write_synthetic  # noqa: E402
-from memexrl.errors import MemexError  # noqa: E402
 
 EVAL_NAMES = {"norm_phrase_set_match", "norm_phrase_set_match_ordered", "mc_choice_match", "mc_choice_set_match",
               "llm_abstention_checker", "llm_gotchas_checker"}

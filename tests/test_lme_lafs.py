@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from common.errors import MemexError
 from eval.lme.lafs import (
     REFERENCE_POINTS,
     accuracy_at,
@@ -19,7 +20,6 @@ from eval.lme.lafs import (
     pareto_frontier,
 )
 from eval.lme.metrics import PER_QUESTION_FIELDS, aggregate, point_from_result
-from memexrl.errors import MemexError
 
 LN200 = math.log(200)
 

@@ -8,11 +8,11 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402
 
+from common.config import load_config  # noqa: E402
+from common.errors import MemexError  # noqa: E402
 from eval.lme.memory.base import MemoryOptions, load_memory, make_memory  # noqa: E402
 from eval.lme.memory.memex import STORE_FILE, TrajectoryPager  # noqa: E402
-from memexrl.config import load_config  # noqa: E402
-from memexrl.errors import MemexError  # noqa: E402
-from rollout.engines import ScriptedEngine  # noqa: E402
+from rollout.scripted import ScriptedEngine  # noqa: E402
 
 AXTREE = "[a1] RootWebArea 'ShopNova Admin'\n  [a7] heading 'Store settings'\n  [a12] textbox 'Currency' value: 'EUR'"
 TRAJ = {

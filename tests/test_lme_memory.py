@@ -13,13 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from common.errors import MemexError
 from eval.lme.memory.agentrunbook_r import fallback_bundle, merge_slice_hits, parse_query_bundle
 from eval.lme.memory.base import MemoryOptions, load_memory, make_memory, memory_class
 from eval.lme.memory.index import PAPER_QUERY_INSTRUCTION, make_embedder
 from eval.lme.memory.m2 import distill, step_text, succeeded
 from eval.lme.memory.notes import NOTE_SYSTEM_PROMPT, REPAIR_PROMPT
 from eval.lme.memory.slices import Hit, simplify, slice_bounds, slice_entries, transitions
-from memexrl.errors import MemexError
 
 FACT = "$413.27"
 

@@ -6,6 +6,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
+from common.errors import MemexError
 from eval.lme.scoring import (
     DEFAULT_SEPARATORS,
     JUDGED,
@@ -23,7 +24,6 @@ from eval.lme.scoring import (
     score,
     score_command,
 )
-from memexrl.errors import MemexError
 
 PHRASE = "norm_phrase_set_match|lower=true|normalize_hyphen=true|strip_punct=true|separators=,;|require_non_empty=true"
 

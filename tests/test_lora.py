@@ -1,4 +1,4 @@
-"""LoRA targets per architecture (memexrl/lora.py): what vLLM can serve, and the dry-run's count is the built one's."""
+"""LoRA targets per architecture (modeling/lora.py): what vLLM can serve, and the dry-run's count is the built one's."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from memexrl import model_zoo
-from memexrl.config import load_config
-from memexrl.errors import MemexError
-from memexrl.finetune import load_policy_for_grpo
-from memexrl.lora import auto_targets, unservable_adapters
+from common.config import load_config
+from common.errors import MemexError
 from memexrl.plan import KNOWN_ARCHITECTURES, model_numbers
+from modeling import zoo as model_zoo
+from modeling.lora import auto_targets, unservable_adapters
+from training.policy import load_policy_for_grpo
 
 
 def tiny_moe_config(**train) -> list[str]:

@@ -1,4 +1,4 @@
-"""memexrl/malloc.py: freed activations go back to the system instead of fragmenting glibc's heap."""
+"""common/malloc.py: freed activations go back to the system instead of fragmenting glibc's heap."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from memexrl.malloc import return_freed_memory
+from common.malloc import return_freed_memory
 
 # A fresh process plays what a forward/backward does to the allocator: a large tensor freed (glibc then
 # raises its mmap threshold), then activations of a few MiB interleaved with small survivors, three times.
 PROGRAM = """
 import sys, psutil, torch
-from memexrl.malloc import return_freed_memory
+from common.malloc import return_freed_memory
 if sys.argv[1] == "1":
     assert return_freed_memory()
 proc = psutil.Process()

@@ -1,4 +1,4 @@
-"""Tests of model loading (memexrl/model_zoo.py): aliases, the SmolLM2 GGUF conversion, the tiny MoE."""
+"""Tests of model loading (modeling/zoo.py): aliases, the SmolLM2 GGUF conversion, the tiny MoE."""
 
 import os
 
@@ -13,9 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from memexrl import model_zoo, models
-from memexrl.config import ModelConfig
-from memexrl.errors import MemexError
+from common.config import ModelConfig
+from common.errors import MemexError
+from modeling import load as models
+from modeling import zoo as model_zoo
 
 # --------------------------------------------------------------------------------------------
 # Fixtures
@@ -293,7 +294,7 @@ def test_load_policy_bad_model_dir(tmp_path):
 
 
 def test_uncached_hf_id_fails_fast_offline(monkeypatch):
-    # models._loadable looks up hub_reachable in memexrl.models (imported from model_zoo).
+    # models._loadable looks up hub_reachable in modeling.load (imported from model_zoo).
     monkeypatch.setattr(models, "hub_reachable", lambda: False)
     start = time.perf_counter()
     with pytest.raises(MemexError, match="not in the HF cache"):

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memexrl.memory.parsing import canonical_call, parse_tool_call
+from memory.parsing import canonical_call, parse_tool_call
 
 
 def call(name, arguments):

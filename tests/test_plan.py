@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from common.config import load_config
+from common.errors import MemexError
 from memexrl.cli import main
-from memexrl.config import load_config
-from memexrl.errors import MemexError
 from memexrl.plan import (
     GIB,
     ModelNumbers,

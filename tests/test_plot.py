@@ -9,8 +9,8 @@ import math
 
 import pytest
 
+from common.errors import MemexError
 from memexrl.cli import main
-from memexrl.errors import MemexError
 from memexrl.plot import plot_run, read_metrics, series
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

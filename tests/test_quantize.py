@@ -1,4 +1,4 @@
-"""INT4 W4A16 RTN quantisation, the compressed-tensors checkpoint, and fake-quant (memexrl/quantize.py)."""
+"""INT4 W4A16 RTN quantisation, the compressed-tensors checkpoint, and fake-quant (modeling/quantize.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from memexrl import model_zoo
+from common.config import ModelConfig
+from common.errors import MemexError
 from memexrl.cli import main
-from memexrl.config import ModelConfig
-from memexrl.errors import MemexError
-from memexrl.models import load_policy
-from memexrl.quantize import (
+from modeling import zoo as model_zoo
+from modeling.load import load_policy
+from modeling.quantize import (
     apply_fake_quant,
     dequantize,
     fake_quant,
@@ -134,7 +134,7 @@ def test_fake_quant_forward_and_straight_through_gradient():
 
 @pytest.fixture(scope="module")
 def tiny_dir() -> Path:
-    """The tiny random Qwen3-MoE (hidden 64, 4 experts of 32) in the model cache (model_zoo.py)."""
+    """The tiny random Qwen3-MoE (hidden 64, 4 experts of 32) in the model cache (modeling/zoo.py)."""
     return Path(model_zoo.resolve_model_path(model_zoo.TINY_MOE_ALIAS))
 
 
@@ -190,8 +190,8 @@ def test_apply_fake_quant_under_lora_quantises_only_the_frozen_base():
 
 def test_a_fake_quant_that_covers_no_weight_stops_the_run():
     """train.fake_quant_group_size set but matching nothing would train without the rollout engine's INT4 weights."""
-    from memexrl.config import load_config
-    from memexrl.finetune import load_policy_for_grpo
+    from common.config import load_config
+    from training.policy import load_policy_for_grpo
 
     for finetune in ("full", "lora"):
         cfg = load_config("configs/tiny-cpu.yaml", [

@@ -9,11 +9,11 @@ import json
 
 import pytest
 
+from common.config import load_config
 from envs.alfworld import LOOK_REFUSAL, ModifiedAlfWorld
 from envs.data import resolve_game
 from memexrl.cli import replay
-from memexrl.config import load_config
-from memexrl.memory.tools import SUMMARY_HEADER, TRUNCATION_MARKER
+from memory.tools import SUMMARY_HEADER, TRUNCATION_MARKER
 
 
 def call(name: str, **arguments) -> str:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from memexrl.trajectory import Step, Trajectory
+from common.config import RewardConfig
+from common.trajectory import Step, Trajectory
 from rewards import context_penalty, format_penalty, mark_redundant, redundancy_penalty, score_trajectory
 
 
@@ -28,10 +29,10 @@ def nocall():
 
 def test_context_penalty_hand_computed():
     # T = 100, C = [50, 150, 300 (compressed: skipped), 120], 4 steps: (50 + 20) / (100 * 4) = 0.175
-    assert context_penalty([50, 150, 300, 120], [False, False, True, False], 100) == pytest.approx(0.175)
+    assert context_penalty([50, 150, 300, 120], [False, False, True, False], 100, 1.0) == pytest.approx(0.175)
     assert context_penalty([50, 150, 300, 120], [False, False, True, False], 100, weight=2.0) == pytest.approx(0.35)
-    assert context_penalty([10_000], [False], 100) == 1.0  # capped at 1
-    assert context_penalty([], [], 100) == 0.0
+    assert context_penalty([10_000], [False], 100, 1.0) == 1.0  # capped at 1
+    assert context_penalty([], [], 100, 1.0) == 0.0
 
 
 def test_redundancy_window_resets_at_state_change():
@@ -46,20 +47,20 @@ def test_redundancy_window_resets_at_state_change():
     ]
     assert mark_redundant(steps) == [False, True, False, False, False, True, False]
     # 2 redundant of 6 non-memory calls, weight 0.05
-    assert redundancy_penalty(steps) == pytest.approx(0.05 * 2 / 6)
+    assert redundancy_penalty(steps, 0.05) == pytest.approx(0.05 * 2 / 6)
 
 
 def test_format_penalty_counts_attempted_calls_only():
     steps = [bad(), nocall(), act("look"), mem(), bad()]
     # 2 malformed of 4 attempts (the reply without a call is not an attempt)
-    assert format_penalty(steps) == pytest.approx(0.5)
-    assert format_penalty([nocall()]) == 0.0
+    assert format_penalty(steps, 1.0) == pytest.approx(0.5)
+    assert format_penalty([nocall()], 1.0) == 0.0
 
 
 def test_score_trajectory_composes_total():
     traj = Trajectory(game="g", task_type="t", goal="x", success=True)
     traj.steps = [act("look", w=50), act("look", w=150), bad()]
-    reward = score_trajectory(traj, threshold=100, lambda_ctx=1.0, lambda_red=0.05, lambda_fmt=1.0)
+    reward = score_trajectory(traj, 100, RewardConfig())  # the paper's weights: 1, 0.05, 1
     assert reward["task"] == 1.0
     assert reward["context"] == pytest.approx(50 / 300)
     assert reward["redundancy"] == pytest.approx(0.05 * 1 / 2)

@@ -10,11 +10,11 @@ import json
 import pytest
 import yaml
 
+from common.config import load_config
+from common.errors import MemexError
 from envs.data import TASK_TYPES, resolve_game
-from memexrl.config import load_config
-from memexrl.errors import MemexError
-from rollout.engines import ScriptedEngine
 from rollout.runner import make_renderer, open_envs, run_episodes
+from rollout.scripted import ScriptedEngine
 from sft.dataset import build_dataset, game_id, load_demonstrations, segment_rows, split_games
 
 
@@ -98,7 +98,7 @@ def test_bad_demonstration_files(tmp_path):
 @pytest.mark.slow
 def test_tiny_sft_run_end_to_end(demos_file, tmp_path, alfworld_data):
     """TRL SFT with LoRA on the real SmolLM2 for two steps: run dir, metrics, an adapter that loads."""
-    from memexrl.models import load_policy
+    from modeling.load import load_policy
     from sft.train import run_sft
 
     path, _, _ = demos_file

@@ -1,4 +1,4 @@
-"""Tests of the experience store (memexrl/memory/store.py) and its benchmark (eval/bench_store.py)."""
+"""Tests of the experience store (memory/store.py) and its benchmark (eval/bench_store.py)."""
 
 import os
 
@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.errors import MemexError
 from eval.bench_store import bench_store, format_bench_store
-from memexrl.errors import MemexError
-from memexrl.memory.store import (
+from memory.store import (
     Block,
     BlockWrite,
     ExperienceStore,
@@ -246,7 +246,7 @@ def test_open_store_types(tmp_path):
 CHILD = textwrap.dedent(
     """
     import sys
-    from memexrl.memory.store import SQLiteStore
+    from memory.store import SQLiteStore
 
     store = SQLiteStore(sys.argv[1], namespace="durable")
     for i in range(1_000_000):

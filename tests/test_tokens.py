@@ -10,14 +10,15 @@ import json
 import pytest
 import torch
 
+from common.config import load_config
+from common.engine import GenerationRequest
 from envs.data import resolve_game
 from envs.inline import InlineEnvs
-from memexrl.agent import MEMEX_TOOLS
-from memexrl.config import load_config
-from memexrl.memory.prompts import system_prompt
-from rollout.engines import GenerationRequest, ScriptedEngine
+from memory.prompts import system_prompt
+from rollout.episode import MEMEX_TOOLS
 from rollout.hf_engine import TransformersEngine
 from rollout.runner import make_renderer, run_episodes
+from rollout.scripted import ScriptedEngine
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""Task sampler and checkpoint files of a GRPO run (memexrl/train_state.py)."""
+"""Task sampler and checkpoint files of a GRPO run (training/state.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from memexrl.errors import MemexError
-from memexrl.train_state import (
+from common.errors import MemexError
+from training.state import (
     TaskSampler,
     find_checkpoint,
     load_checkpoint,

@@ -1,4 +1,4 @@
-"""The GRPO trainer end to end on real ALFWorld games with a tiny model (memexrl/trainer.py).
+"""The GRPO trainer end to end on real ALFWorld games with a tiny model (training/trainer.py).
 
 The tiny random model never ends a turn by itself, so every rollout of a game would tie and
 GRPO would drop the group. `tiny_eos_model` gives its end-of-turn token a random output row:
@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from common.config import load_config
 from memexrl.cli import main
-from memexrl.config import load_config
 
 pytestmark = pytest.mark.slow
 
@@ -56,14 +56,16 @@ def test_run_directory_metrics_and_checkpoint(tiny_eos_model, tmp_path, alfworld
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     design_keys = {"step", "success_rate", "reward_mean", "penalty_context", "penalty_redundancy", "penalty_format",
-                   "peak_working_tokens", "num_compress", "num_read", "num_segments", "loss", "kl", "clip_frac",
-                   "tis_clip_frac", "grad_norm", "lr", "rollout_s", "train_s"}
+                   "peak_working_tokens", "num_compress", "num_read", "num_segments", "loss", "kl", "approx_kl",
+                   "clip_frac", "tis_clip_frac", "grad_norm", "lr", "rollout_s", "train_s"}
     for r in records:
         assert design_keys <= r.keys()
         assert r["num_updates"] == 1 and r["num_samples"] >= 4  # rewards differed: the group was trained on
         assert r["zero_std_group_frac"] == 0.0
         assert r["penalty_context"] > 0 and r["reward_mean"] < 0
         assert r["grad_norm"] > 0
+        # one update per step: the loss is taken before the policy moves from the rollout's (approx-KL ~ 0)
+        assert -1e-6 < r["approx_kl"] < 1e-3
     assert records[1]["kl"] > 0  # the adapter moved away from the reference after one update
     assert (run_dir / "config.yaml").is_file()
     step1 = [json.loads(x) for x in (run_dir / "rollouts" / "step-1.jsonl").read_text().splitlines()]
@@ -79,8 +81,8 @@ def test_run_directory_metrics_and_checkpoint(tiny_eos_model, tmp_path, alfworld
     assert any(not torch.equal(adapter(run_dir, 1)[k], adapter(run_dir, 2)[k]) for k in adapter(run_dir, 1))
 
     # The checkpoint alone rebuilds the trained policy (its base is the starting model).
-    from memexrl.config import ModelConfig
-    from memexrl.models import load_policy
+    from common.config import ModelConfig
+    from modeling.load import load_policy
 
     model, _ = load_policy(ModelConfig(name=str(run_dir / "checkpoints" / "step-2"), device="cpu"))
     start, _ = load_policy(ModelConfig(name=tiny_eos_model, device="cpu"))
@@ -107,7 +109,7 @@ def test_resume_continues_the_same_run(tiny_eos_model, tmp_path, alfworld_data, 
 
 def test_full_finetuning_keeps_a_frozen_reference(tiny_eos_model, tmp_path, alfworld_data, monkeypatch):
     monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_data))
-    from memexrl.trainer import Trainer
+    from training.trainer import Trainer
 
     cfg = load_config("configs/tiny-cpu.yaml", overrides(tiny_eos_model, tmp_path / "full", **{
         "train.finetune": "full", "train.steps": 1}))
@@ -158,8 +160,8 @@ def test_resume_without_checkpoint_stops(tmp_path, capsys, alfworld_data, monkey
 def test_int4_fake_quant_base_under_lora(tiny_eos_model, tmp_path, alfworld_data, monkeypatch):
     """Path A of the paper's INT4 setting: the frozen base holds its INT4 (RTN, group) values, LoRA trains."""
     monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_data))
-    from memexrl.quantize import fake_quant
-    from memexrl.trainer import Trainer
+    from modeling.quantize import fake_quant
+    from training.trainer import Trainer
 
     cfg = load_config("configs/tiny-cpu.yaml", overrides(tiny_eos_model, tmp_path / "fq", **{
         "train.fake_quant_group_size": 32, "train.steps": 1}))

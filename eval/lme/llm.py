@@ -10,7 +10,7 @@ object with `complete(messages) -> str`. Two implementations:
   top_k 20, max 20,000 completion tokens, thinking on); `top_k` and thinking go in
   `extra_body`, as vLLM takes them.
 - `LocalChat`: a transformers model on this machine (SmolLM2-135M by default, any checkpoint
-  `memexrl.models.load_policy` loads), with the tokenizer's chat template; greedy unless a
+  `modeling.load.load_policy` loads), with the tokenizer's chat template; greedy unless a
   temperature is given. For CPU runs; its context is the model's window, so `max_input_tokens`
   keeps the end of an over-long prompt's first message cut (the harness truncates the memory
   context by whole items before that, lme-v2.md).
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from memexrl.errors import MemexError
+from common.errors import MemexError
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +119,9 @@ class LocalChat:
 
     def __init__(self, name: str = "smollm2-135m", max_new_tokens: int = 256, temperature: float = 0.0,
                  max_input_tokens: int | None = None, device: str = "cpu"):
-        from memexrl.config import ModelConfig
-        from memexrl.finetune import resolve_checkpoint
-        from memexrl.models import load_policy
+        from common.config import ModelConfig
+        from modeling.load import load_policy
+        from training.policy import resolve_checkpoint
 
         self.name = name
         self.model, self.tokenizer = load_policy(ModelConfig(name=resolve_checkpoint(name, "--reader"),
@@ -130,9 +130,6 @@ class LocalChat:
         self.last_usage: dict = {}
         window = getattr(self.model.config, "max_position_embeddings", 8192)
         self.max_input_tokens = max_input_tokens or window - max_new_tokens
-
-    def token_count(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def complete(self, messages: list[dict]) -> str:
         import torch

@@ -37,7 +37,7 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
-from memexrl.errors import MemexError
+from common.errors import MemexError
 
 PER_QUESTION_FIELDS = (
     "index", "question_id", "question_type", "category", "is_abstention_problem", "eval_function",

@@ -22,7 +22,7 @@ import logging
 import mimetypes
 from pathlib import Path
 
-from memexrl.errors import MemexError
+from common.errors import MemexError
 
 log = logging.getLogger(__name__)
 

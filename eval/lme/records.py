@@ -1,13 +1,11 @@
 """Reading LME-V2 trajectory records: the field alternatives of the real data (lme-v2.md, "Data layout").
 
 A trajectory is kept as the dict of its `trajectories.jsonl` line (validated by eval/lme/data.py);
-these helpers read a state's text, thought and screenshot whichever of the real layout's
+these helpers read a state's text, thought and action whichever of the real layout's
 alternative field names it uses, so that no module reads the raw keys itself.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 
 def state_text(state: dict) -> str:
@@ -27,12 +25,6 @@ def state_action(state: dict) -> str:
     return str(state.get("action") or "")
 
 
-def state_screenshot(state: dict, root: str | Path) -> str | None:
-    """The absolute path of a state's screenshot under the dataset `root`, if it names one."""
-    shot = state.get("screenshot")
-    return str(Path(root) / shot) if shot else None
-
-
 def render_state(trajectory: dict, k: int, max_chars: int = 4000) -> str:
     """`State k` of a trajectory as text: url, thought, action, AXTree (capped at `max_chars`)."""
     state = trajectory["states"][k]
@@ -43,9 +35,3 @@ def render_state(trajectory: dict, k: int, max_chars: int = 4000) -> str:
         lines.append(f"Action: {state_action(state)}")
     lines.append(state_text(state)[:max_chars])
     return "\n".join(lines)
-
-
-def trajectory_header(trajectory: dict) -> str:
-    """Goal, start url and outcome of a trajectory, one line each."""
-    return (f"Trajectory {trajectory['id']} ({trajectory.get('domain', '')})\nGoal: {trajectory.get('goal', '')}\n"
-            f"Start URL: {trajectory.get('start_url', '')}\nOutcome: {trajectory.get('outcome') or 'unknown'}")

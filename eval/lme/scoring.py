@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 
-from memexrl.errors import MemexError
+from common.errors import MemexError
 
 DEFAULT_SEPARATORS = (",", ";")
 STRUCTURED = frozenset({"norm_phrase_set_match", "norm_phrase_set_match_ordered", "mc_choice_match",

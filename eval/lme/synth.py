@@ -27,6 +27,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.errors import MemexError
 from eval.lme.data import QUESTION_TYPES
 from eval.lme.synth_world import (
     ENVS,
@@ -39,7 +40,6 @@ from eval.lme.synth_world import (
     section_content,
     write_png,
 )
-from memexrl.errors import MemexError
 
 MAX_PER_TYPE = 6  # each environment has two procedures, two gotchas and two missing features
 EVIDENCE_FILE = "synth_evidence.json"

@@ -32,10 +32,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from common.errors import MemexError
 from eval.embeddings import DEFAULT_EMBEDDER
 from eval.lme.llm import ChatLLM
 from eval.m2_insights import TOP_K as M2_TOP_K
-from memexrl.errors import MemexError
 
 log = logging.getLogger(__name__)
 

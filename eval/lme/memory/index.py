@@ -22,8 +22,8 @@ from typing import ClassVar
 
 import numpy as np
 
+from common.errors import MemexError
 from eval.embeddings import embed, top_k
-from memexrl.errors import MemexError
 
 from .base import Memory, MemoryOptions
 from .slices import Hit, simplify, truncate_middle

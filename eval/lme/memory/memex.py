@@ -1,12 +1,12 @@
 """`memex`: the Memex policy as the LME-V2 memory controller (the mission's last step).
 
 Insert: the policy reads each haystack trajectory as an episode of the same agent loop it was
-trained in (memexrl/agent.py, same tools, same working context and context status): the task
+trained in (rollout/episode.py, same tools, same working context and context status): the task
 message is the trajectory's goal, start URL and outcome; every `execute_action` (any action)
 shows the next `states_per_chunk` states (`State k` + thought + action + AXTree, capped); after
 the last one the observation asks it to archive what matters and finish. What it archives with
 CompressExperience (anchor blocks copied exactly from the AXTree text, explicit blocks it
-writes) goes into a durable SQLite experience store (memexrl/memory/store.py) under the key
+writes) goes into a durable SQLite experience store (memory/store.py) under the key
 `t<NNNN>-<its db_index>` of the trajectory's ordinal, with the block's index-map line plus the
 trajectory's goal as its description: the index catalog. Nothing else is stored: what the
 policy did not archive, the memory does not have.
@@ -36,17 +36,17 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from common.config import Config, load_config
+from common.engine import GenerationRequest
+from common.errors import MemexError
 from envs.pool import EnvResult
 from eval.lme.memory.base import Memory, MemoryOptions, register
 from eval.lme.records import render_state
-from memexrl.agent import Episode
-from memexrl.agents import AgentSpec
-from memexrl.config import Config, load_config
-from memexrl.errors import MemexError
-from memexrl.finetune import resolve_checkpoint
-from memexrl.memory.parsing import COMPRESS, EXECUTE_ACTION, FINISH, READ
-from memexrl.memory.store import BlockWrite, InMemoryStore, SQLiteStore
-from rollout.engines import GenerationRequest
+from memory.parsing import COMPRESS, EXECUTE_ACTION, FINISH, READ
+from memory.store import BlockWrite, InMemoryStore, SQLiteStore
+from rollout.episode import Episode
+from rollout.strategies import AgentSpec
+from training.policy import resolve_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,8 @@ class MemexMemory(Memory):
     def _episode(self, spec: AgentSpec, store, max_steps: int, first: EnvResult, tag: str) -> Episode:
         _, renderers = self._engine_and_renderer()
         cfg = dataclasses.replace(self.cfg, env=dataclasses.replace(self.cfg.env, max_steps=max_steps))
-        episode = Episode(tag, tag, renderers[spec.name], store, cfg, agent=spec)
+        episode = Episode(tag, tag, renderers[spec.name], store, memory=cfg.memory, env=cfg.env, rollout=cfg.rollout,
+                          agent=spec)
         episode.start(first)
         return episode
 

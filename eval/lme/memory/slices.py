@@ -23,8 +23,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.errors import MemexError
 from eval.lme.records import state_action, state_text, state_thought
-from memexrl.errors import MemexError
 
 from .base import image_item, text_item
 

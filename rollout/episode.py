@@ -14,24 +14,23 @@ the context window is full, when a scripted policy runs out, or when its env wor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from memexrl.agents import AgentSpec, chain_message, last_turns, state_summary
-from memexrl.config import Config
-from memexrl.memory.context import ChatRenderer, WorkingContext
-from memexrl.memory.parsing import (
+from common.config import EnvConfig, MemoryConfig, RolloutConfig
+from common.engine import Completion
+from common.trajectory import Step, Trajectory
+from memory.context import ChatRenderer, WorkingContext
+from memory.parsing import (
     EXECUTE_ACTION,
     FINISH,
     NO_CALL_MESSAGE,
     READ,
     parse_tool_call,
 )
-from memexrl.memory.prompts import system_prompt, task_message
-from memexrl.memory.store import ExperienceStore
-from memexrl.memory.tools import run_compress, run_read
-from memexrl.trajectory import Step, Trajectory
-from rewards import score_trajectory
+from memory.prompts import system_prompt, task_message
+from memory.store import ExperienceStore
+from memory.tools import run_compress, run_read
+from rollout.strategies import AgentSpec, chain_message, last_turns, state_summary
 
 if TYPE_CHECKING:
     from envs.pool import EnvResult
@@ -39,19 +38,6 @@ if TYPE_CHECKING:
 MEMEX_AGENT = AgentSpec()
 MEMEX_TOOLS = MEMEX_AGENT.tools
 FINISHED_MESSAGE = "Episode finished."
-
-
-@dataclass
-class Completion:
-    """One assistant turn from an engine: the text, the sampled ids and their log-probs."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str = "stop"  # stop | length | exhausted (a scripted policy ran out)
-    # False: the turn is played but not learned from (loss mask 0): the Memex expert's off-plan
-    # detours, which put recoverable mistakes into demonstrations (sft/detours.py).
-    trained: bool = True
 
 
 class Episode:
@@ -63,14 +49,17 @@ class Episode:
         game: str,
         renderer: ChatRenderer,
         store: ExperienceStore,
-        cfg: Config,
+        *,
+        memory: MemoryConfig,
+        env: EnvConfig,
+        rollout: RolloutConfig,
         agent: AgentSpec = MEMEX_AGENT,
     ):
         self.id = episode_id
         self.renderer = renderer
         self.store = store
-        self.cfg = cfg
-        self.agent = agent  # what stays in context (memexrl/agents.py): memex or a baseline
+        self.memory, self.env, self.rollout = memory, env, rollout  # the settings an episode reads
+        self.agent = agent  # what stays in context (rollout/strategies.py): memex or a baseline
         self.tools = agent.tools
         self._chain: list[str] = []  # M²: the state summary of every reply
         self.traj = Trajectory(game=game, task_type="", goal="")
@@ -89,11 +78,11 @@ class Episode:
         self.traj.task_type = info.get("task_type", "")
         self.traj.goal = info.get("goal", "")
         a = self.agent
-        system = system_prompt(a.tools, self.cfg.memory.threshold, not self.renderer.template_has_tools,
+        system = system_prompt(a.tools, self.memory.threshold, not self.renderer.template_has_tools,
                                store=a.store, chain=a.chain, insights=a.insights_for(self.traj.goal),
                                base=a.task_prompt)
         self.context = WorkingContext(
-            self.renderer, system, task_message(answer.obs), self.cfg.memory.threshold, self.cfg.memory.warn_ratio,
+            self.renderer, system, task_message(answer.obs), self.memory.threshold, self.memory.warn_ratio,
             show_status=a.status,
         )
 
@@ -102,8 +91,8 @@ class Episode:
         return self.context.token_ids()
 
     def max_new_tokens(self) -> int:
-        room = self.cfg.rollout.max_context_tokens - len(self.request_ids())
-        return max(0, min(self.cfg.rollout.max_new_tokens, room))
+        room = self.rollout.max_context_tokens - len(self.request_ids())
+        return max(0, min(self.rollout.max_new_tokens, room))
 
     def on_completion(self, completion: Completion) -> str | None:
         """Take one assistant turn; return the env action to execute, or None if handled here."""
@@ -138,11 +127,11 @@ class Episode:
         if parsed.name == FINISH:
             return self._observe(record, FINISHED_MESSAGE, end="finish")
         if parsed.name == READ:
-            outcome = run_read(args, self.store, self.cfg.memory.fallback_top_k if self.cfg.memory.semantic_fallback else 0)
+            outcome = run_read(args, self.store, self.memory.fallback_top_k if self.memory.semantic_fallback else 0)
             record.error = outcome.error
             return self._observe(record, outcome.observation)
         outcome = run_compress(
-            args, self.context, self.store if self.agent.store else None, step, self.cfg.memory.summary_max_tokens, self.cfg.memory.summary_cap_mode
+            args, self.context, self.store if self.agent.store else None, step, self.memory.summary_max_tokens, self.memory.summary_cap_mode
         )
         record.error = outcome.error
         if not outcome.compressed:
@@ -194,7 +183,7 @@ class Episode:
         self.traj.steps.append(record)
         if end is not None:
             self._end(end)
-        elif len(self.traj.steps) >= self.cfg.env.max_steps:
+        elif len(self.traj.steps) >= self.env.max_steps:
             self._end("step_limit")
         elif self.max_new_tokens() == 0:
             self._end("context_limit")
@@ -209,5 +198,3 @@ class Episode:
         if self.context is not None:
             self.traj.segments = self.context.segments
         self.traj.experience = self.store.as_dict()
-        r = self.cfg.reward
-        score_trajectory(self.traj, self.cfg.memory.threshold, r.lambda_ctx, r.lambda_red, r.lambda_fmt)

@@ -4,7 +4,8 @@ metrics.jsonl, one object per rollout step (design.md "Run directory"):
   rollout   success_rate, reward_mean, penalty_context, penalty_redundancy, penalty_format,
             num_steps, num_redundant
   memory    peak_working_tokens, num_compress, num_read, num_segments (means per trajectory)
-  loss      loss (aggregated objective), pg_loss, kl (k3), entropy, clip_frac, tis_clip_frac
+  loss      loss (aggregated objective), pg_loss, kl (k3 to the reference), approx_kl (to the rollout
+            policy, CleanRL's), entropy, clip_frac, tis_clip_frac
             (shares of trained tokens), zero_std_group_frac (dropped groups), grad_norm, lr
   time      rollout_s, train_s
 wandb gets the same numbers under the prefixed names of WANDB_NAMES (style.md), plus a table
@@ -22,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from memexrl.config import Config
-from memexrl.trajectory import Trajectory
+from common.config import Config
+from common.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,8 @@ WANDB_NAMES = {
     "penalty_format": "reward/format_penalty", "num_steps": "rollout/num_steps",
     "num_redundant": "rollout/num_redundant", "peak_working_tokens": "memory/peak_working_tokens",
     "num_compress": "memory/num_compress", "num_read": "memory/num_read", "num_segments": "memory/num_segments",
-    "loss": "loss/total", "pg_loss": "loss/policy", "kl": "loss/kl", "entropy": "loss/entropy",
+    "loss": "loss/total", "pg_loss": "loss/policy", "kl": "loss/kl", "approx_kl": "loss/approx_kl",
+    "entropy": "loss/entropy",
     "clip_frac": "loss/clip_frac", "tis_clip_frac": "loss/tis_clip_frac",
     "zero_std_group_frac": "loss/zero_std_group_frac", "grad_norm": "loss/grad_norm", "lr": "charts/lr",
     "num_samples": "charts/num_samples", "num_updates": "charts/num_updates",
@@ -81,7 +83,7 @@ def import_wandb(run_dir: Path):
 
 
 class RunLogger:
-    """metrics.jsonl + wandb (offline unless logged in) + plots at the end; only the main process writes."""
+    """metrics.jsonl + wandb (offline unless logged in); only the main process writes (`memexrl train` plots the run)."""
 
     def __init__(self, cfg: Config, run_dir: Path, *, fresh: bool, main: bool):
         self.cfg, self.run_dir, self.main = cfg, run_dir, main
@@ -119,10 +121,11 @@ class RunLogger:
                     f.write(json.dumps({**traj.to_json(), "advantage": adv}) + "\n")
         log.info(
             "step %d: success %.2f reward %.3f (ctx %.3f red %.3f fmt %.3f) peak W %.0f compress %.2f read %.2f "
-            "loss %.4f kl %.4f clip %.3f grad %.3f | rollout %.0fs train %.0fs",
+            "loss %.4f kl %.4f approx-kl %.4f clip %.3f grad %.3f | rollout %.0fs train %.0fs",
             metrics["step"], metrics["success_rate"], metrics["reward_mean"], metrics["penalty_context"],
             metrics["penalty_redundancy"], metrics["penalty_format"], metrics["peak_working_tokens"],
-            metrics["num_compress"], metrics["num_read"], metrics["loss"], metrics["kl"], metrics["clip_frac"],
+            metrics["num_compress"], metrics["num_read"], metrics["loss"], metrics["kl"], metrics["approx_kl"],
+            metrics["clip_frac"],
             metrics["grad_norm"], metrics["rollout_s"], metrics["train_s"],
         )
         if self.wandb is None:
@@ -145,7 +148,3 @@ class RunLogger:
             return
         if self.wandb is not None:
             self.wandb.finish()
-        from memexrl.plot import plot_run
-
-        for path in plot_run(self.run_dir):
-            log.info("plot %s", path)

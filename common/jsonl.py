@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from memexrl.errors import MemexError
+from common.errors import MemexError
 
 
 def read_jsonl(path: str | Path, missing: str, shape: str) -> list[tuple[int, Any]]:

@@ -22,7 +22,7 @@ import re
 
 import torch
 
-from memexrl.errors import MemexError
+from common.errors import MemexError
 
 AUTO = "auto"
 _ROUTER = re.compile(r"(^|\.)(gate|router|shared_expert_gate)$")

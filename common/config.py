@@ -18,8 +18,10 @@ from typing import Any
 
 import yaml
 
-from memexrl.agents import AGENT_NAMES
-from memexrl.errors import MemexError
+from common.errors import MemexError
+
+# The context strategies of `eval alfworld --agent` (rollout/strategies.py builds each one).
+AGENT_NAMES = ("memex", "full", "truncate", "summary", "m2")
 
 
 def _help(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
@@ -170,7 +172,7 @@ class SFTSection:
     lora_dropout: float = _help("LoRA dropout.", 0.05)
     lora_target_modules: str = _help(
         "'auto' (per architecture, what vLLM serves: every decoder linear of a dense model, the attention "
-        "projections of an MoE model; never the router: memexrl/lora.py), 'all-linear' (PEFT's), or "
+        "projections of an MoE model; never the router: modeling/lora.py), 'all-linear' (PEFT's), or "
         "comma-separated module names.",
         "auto",
     )
@@ -248,7 +250,7 @@ class TrainSection:
     lora_alpha: int = _help("LoRA alpha.", 32)
     lora_target_modules: str = _help(
         "'auto' (per architecture, what vLLM serves: every decoder linear of a dense model, the attention "
-        "projections of an MoE model; never the router: memexrl/lora.py), 'all-linear' (PEFT's), or "
+        "projections of an MoE model; never the router: modeling/lora.py), 'all-linear' (PEFT's), or "
         "comma-separated module names.",
         "auto",
     )
@@ -271,6 +273,11 @@ class TrainSection:
     log_trajectories: int = _help("Trajectories per step shown in the wandb table.", 4)
     save_rollouts: bool = _help("Write each step's trajectories (design.md JSON, no tokens) to RUN/rollouts/.", True)
 
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps per rollout step: tasks_per_step x group_size / global_batch_size (release: 256 / 128 = 2)."""
+        return self.tasks_per_step * self.group_size // self.global_batch_size
+
 
 @dataclass
 class EvalSection:
@@ -282,7 +289,7 @@ class EvalSection:
     games: int = _help("Play N games, a deterministic subset stratified by task type (0: the whole split).", 0)
     task_types: str = _help("Only games of these task types (comma-separated, '' = all six, the release's test).",
                             "")
-    agent: str = _help("memex, full, truncate, summary or m2 (memexrl/agents.py).", "memex")
+    agent: str = _help("memex, full, truncate, summary or m2 (rollout/strategies.py).", "memex")
     checkpoint: str = _help("Policy: a checkpoint dir (full, LoRA adapter, SFT/GRPO run dir) or model name; '' = model.name.",
                             "")
     temperature: float = _help("Sampling temperature (0: greedy, the release's protocol).", 0.0)

@@ -1,7 +1,7 @@
 """The GRPO objective of MemexRL as small pure tensor functions (memex.md "Training").
 
 One function per equation, hyperparameters as explicit arguments, shapes in the docstrings
-(the verl `core_algos` habit). The trainer (memexrl/trainer.py) composes them:
+(the verl `core_algos` habit). The trainer (training/trainer.py) composes them:
 
     A_i      = (R_i - mean_group) / (std_group + eps)            group_advantages
     w_tis    = min(exp(logp_old - logp_rollout), C)              tis_weights
@@ -19,17 +19,9 @@ from __future__ import annotations
 
 import torch
 
-# memex.md "Training" and the release's launch script.
-CLIP_LOW = 0.2
-CLIP_HIGH = 0.28
-TIS_CAP = 2.0
-KL_COEF = 0.001
-ENTROPY_COEF = 0.002
-EPS = 1e-6
-
 
 def group_advantages(
-    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = EPS
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO advantages over groups of rollouts of the same task.
 
@@ -51,7 +43,7 @@ def group_advantages(
     return adv, keep
 
 
-def batch_advantages(segment_rewards: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+def batch_advantages(segment_rewards: torch.Tensor, eps: float) -> torch.Tensor:
     """The release's fallback: normalise over the whole batch of segments.
 
     segment_rewards: (S,) each segment carries its trajectory's return. The release's slime
@@ -92,7 +84,7 @@ def token_weights(
 
 
 def tis_weights(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float = TIS_CAP
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level truncated importance sampling between trainer and rollout engine.
 
@@ -108,8 +100,8 @@ def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
-    clip_low: float = CLIP_LOW,
-    clip_high: float = CLIP_HIGH,
+    clip_low: float,
+    clip_high: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate with asymmetric clipping (clip-low 0.2, clip-high 0.28).
 
@@ -121,6 +113,16 @@ def policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def approx_kl(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """How far the update moved the policy from the rollout's, per token: (r - 1) - log r, r = pi / pi_old.
+
+    The k3 estimator of KL(pi_old || pi) that CleanRL's PPO logs as `approx_kl` (Schulman, "Approximating KL
+    divergence"); >= 0, 0 before the first optimizer step of a rollout step. Logged only, never a loss term.
+    """
+    log_ratio = (logprobs - old_logprobs).detach()
+    return torch.exp(log_ratio) - 1.0 - log_ratio
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -150,17 +152,18 @@ def token_loss(
     entropy: torch.Tensor | None,
     advantages: torch.Tensor,
     *,
-    clip_low: float = CLIP_LOW,
-    clip_high: float = CLIP_HIGH,
-    tis_cap: float | None = TIS_CAP,
-    kl_coef: float = KL_COEF,
-    entropy_coef: float = ENTROPY_COEF,
+    clip_low: float,
+    clip_high: float,
+    tis_cap: float | None,
+    kl_coef: float,
+    entropy_coef: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The per-token MemexRL loss l_t and its parts, all (B, L).
 
     l_t = w_tis * l_pg + kl_coef * k3 - entropy_coef * H. `tis_cap=None` switches TIS off
     (w = 1); `ref_logprobs=None` or kl_coef 0 drops the KL term; `entropy=None` the bonus.
-    Returns (loss (B, L), parts): pg, kl, entropy, clipped, tis_clipped, ratio.
+    Every coefficient comes from the run's `train` section (common/config.py: the release's numbers).
+    Returns (loss (B, L), parts): pg, kl, entropy, clipped, tis_clipped, ratio, approx_kl.
     """
     pg, clipped = policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high)
     if tis_cap is not None:
@@ -175,5 +178,5 @@ def token_loss(
     if entropy is not None and entropy_coef:
         loss = loss - entropy_coef * entropy
     parts = {"pg": pg, "kl": kl, "entropy": ent, "clipped": clipped, "tis_clipped": tis_clipped,
-             "ratio": torch.exp(logprobs - old_logprobs).detach()}
+             "ratio": torch.exp(logprobs - old_logprobs).detach(), "approx_kl": approx_kl(logprobs, old_logprobs)}
     return loss, parts

@@ -15,7 +15,7 @@ ZeRO-2 it stays whole on each process, in the policy's dtype. With `zero3_init_f
 built already sharded, so the reference is loaded a second time instead of deep-copied.
 
 A GRPO LoRA checkpoint records the starting checkpoint as its base
-(`base_model_name_or_path`), so `memexrl.models.load_policy` rebuilds the trained policy from
+(`base_model_name_or_path`), so `modeling.load.load_policy` rebuilds the trained policy from
 it alone: SFT adapter merged, then the RL adapter merged.
 """
 
@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from memexrl.config import Config
-from memexrl.errors import MemexError
-from memexrl.lora import lora_config, unservable_adapters
-from memexrl.models import adapter_base, load_policy
-from memexrl.quantize import apply_fake_quant, remove_fake_quant
-from memexrl.train_state import newest_checkpoint
+from common.config import Config
+from common.errors import MemexError
+from modeling.load import adapter_base, load_policy
+from modeling.lora import lora_config, unservable_adapters
+from modeling.quantize import apply_fake_quant, remove_fake_quant
+from training.state import newest_checkpoint
 
 
 class Policy:
@@ -131,7 +131,7 @@ def load_policy_for_grpo(cfg: Config, resume_from: Path | None = None, export_ba
     an adapter checkpoint, for an external engine that loads weights from disk (vLLM);
     `Policy.rollout_model_dir` says which directory holds the starting weights.
     With train.fake_quant_group_size > 0 the forward uses INT4 fake-quant base weights
-    (memexrl/quantize.py), the reference too: trainer and INT4 rollout engine see the same weights.
+    (modeling/quantize.py), the reference too: trainer and INT4 rollout engine see the same weights.
     """
     from peft import get_peft_model, set_peft_model_state_dict
     from safetensors.torch import load_file
@@ -172,7 +172,7 @@ def load_policy_for_grpo(cfg: Config, resume_from: Path | None = None, export_ba
             raise MemexError(
                 f"train.lora_target_modules={t.lora_target_modules} puts LoRA adapters on {len(unservable)} router or "
                 f"expert modules (e.g. {unservable[0]}), which vLLM cannot serve: use train.lora_target_modules=auto "
-                f"(memexrl/lora.py) or name the attention projections")
+                f"(modeling/lora.py) or name the attention projections")
         if resume_from is not None:
             set_peft_model_state_dict(model, load_file(str(resume_from / "adapter_model.safetensors")))
         if group:

@@ -1,7 +1,7 @@
 """Loading the policy: devices, dtypes, the tokenizer, the model (optionally 4-bit), adapters.
 
 Model names and the cache they are built into (``smollm2-135m``, ``tiny-qwen3-moe``, HF ids,
-local directories) are `memexrl.model_zoo`; this module loads what `resolve_model_path`
+local directories) are `modeling.zoo`; this module loads what `resolve_model_path`
 gives. ``model.name`` may also be a PEFT adapter directory (a LoRA checkpoint): its base model
 is loaded first and the adapter put on it.
 """
@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memexrl.config import ModelConfig
-from memexrl.errors import MemexError
-from memexrl.model_zoo import (
+from common.config import ModelConfig
+from common.errors import MemexError
+from modeling.zoo import (
     LOAD_HINT,
     hub_offline,
     hub_reachable,

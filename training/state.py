@@ -9,7 +9,7 @@ checkpoint or none (design.md "Run directory").
 
 Under DeepSpeed the optimizer is sharded over the processes: instead of `optimizer.pt`, every
 process writes its shard with the engine's `save_checkpoint` into `deepspeed/` of the same
-temporary directory before the main process finishes and renames it (memexrl/trainer.py), and a
+temporary directory before the main process finishes and renames it (training/trainer.py), and a
 resume restores it with the engine's `load_checkpoint` under the same number of processes. Those
 shard files are DeepSpeed's own format, which DeepSpeed loads with pickle: resume only from
 checkpoints you wrote yourself.
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from memexrl.errors import MemexError
+from common.errors import MemexError
 
 STATE_FILE = "trainer_state.json"
 DEEPSPEED_DIR = "deepspeed"  # the engine's checkpoint (optimizer shards) inside step-N/, under DeepSpeed

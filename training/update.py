@@ -1,6 +1,6 @@
 """The GRPO update: micro-batches of segments -> accumulated gradients -> one optimizer step each.
 
-Separate from the rollout loop (memexrl/trainer.py) so that anything producing
+Separate from the rollout loop (training/trainer.py) so that anything producing
 `SegmentSample`s can train with it, the multi-turn trainer and the single-turn benchmark
 (`memexrl bench trainer`) alike. Under several processes, every process runs the same number
 of forward/backward passes (a zero-weight padding pass where it has fewer), or DDP would hang.
@@ -8,7 +8,7 @@ of forward/backward passes (a zero-weight padding pass where it has fewer), or D
 Gradient accumulation: a minibatch has a variable number of micro-batches (its segment count
 depends on how often the agent compressed), so the optimizer-step boundary is marked here, at
 the last micro-batch, instead of being counted by `accelerator.accumulate` or by DeepSpeed's
-`gradient_accumulation_steps` (kept at 1, memexrl/trainer.py `configure_deepspeed`): see
+`gradient_accumulation_steps` (kept at 1, training/trainer.py `configure_deepspeed`): see
 `_boundary`. Each minibatch gets exactly one optimizer step on every backend.
 """
 
@@ -20,9 +20,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from memexrl import grpo
-from memexrl.batching import SegmentSample, collate, lockstep_micro_batches, padding_sample, sequence_logprobs
-from memexrl.config import TrainSection
+from common.config import TrainSection
+from training import grpo
+from training.batching import (
+    SegmentSample,
+    collate,
+    lockstep_micro_batches,
+    padding_sample,
+    sequence_logprobs,
+)
 
 
 def pad_id(tokenizer) -> int:
@@ -61,16 +67,19 @@ def _grad_norm(acc, params: list[torch.nn.Parameter], max_norm: float) -> float:
     return float("nan") if norm is None else float(norm)
 
 
-def update_policy(model, optimizer, scheduler, acc, samples_per_update: list[list[SegmentSample]], t: TrainSection,
-                  tokenizer, params: list[torch.nn.Parameter]) -> dict[str, float]:
+def update_policy(*, model, optimizer, scheduler, accelerator, samples_per_update: list[list[SegmentSample]],
+                  train: TrainSection, pad_token_id: int, params: list[torch.nn.Parameter]) -> dict[str, float]:
     """One optimizer step per minibatch of segments, gradients accumulated over micro-batches.
 
     `samples_per_update[u]` are the segments of update u, with aggregation weights already
     normalised over that minibatch (batching.build_samples) and old/ref log-probs filled.
-    Returns the loss statistics of design.md (token shares over trained tokens).
+    `train` gives the loss coefficients, micro-batch size and gradient clip; `pad_token_id` pads the
+    micro-batches (`pad_id(tokenizer)`); `params` are the trained parameters (for the gradient norm).
+    Returns the loss statistics of design.md (token shares over trained tokens), with CleanRL's
+    approx-KL between the updated policy and the rollout's (`grpo.approx_kl`).
     """
-    pad = pad_id(tokenizer)
-    sums = {k: 0.0 for k in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "tis_clip_frac", "tokens")}
+    acc, t, pad = accelerator, train, pad_token_id
+    sums = {k: 0.0 for k in ("loss", "pg_loss", "kl", "approx_kl", "entropy", "clip_frac", "tis_clip_frac", "tokens")}
     grad_norms = []
     bar = tqdm(total=sum(len(s) for s in samples_per_update), desc="update", leave=False,
                disable=not acc.is_main_process)
@@ -99,7 +108,7 @@ def update_policy(model, optimizer, scheduler, acc, samples_per_update: list[lis
             m = batch.loss_mask if not dummy else torch.zeros_like(batch.loss_mask)
             sums["loss"] += float(loss.detach())
             sums["tokens"] += float(m.sum())
-            for key, part in (("pg_loss", "pg"), ("kl", "kl"), ("entropy", "entropy"),
+            for key, part in (("pg_loss", "pg"), ("kl", "kl"), ("approx_kl", "approx_kl"), ("entropy", "entropy"),
                               ("clip_frac", "clipped"), ("tis_clip_frac", "tis_clipped")):
                 sums[key] += float((parts[part].detach().float() * m).sum())
             bar.update(len(chunk))

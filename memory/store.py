@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memexrl.errors import MemexError
+from common.errors import MemexError
 
 INDEX_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MODES = ("explicit", "anchor")

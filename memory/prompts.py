@@ -8,7 +8,7 @@ same JSON form.
 
 from __future__ import annotations
 
-from memexrl.memory.parsing import COMPRESS, READ, TOOL_SCHEMAS
+from memory.parsing import COMPRESS, READ, TOOL_SCHEMAS
 
 _BASE = """You are an agent in a household text game. Act only through tool calls: in every reply, \
 think briefly, then make exactly one call in this form:
@@ -57,7 +57,7 @@ def tool_schemas(tools: tuple[str, ...], store: bool = True) -> list[dict]:
 
 def system_prompt(tools: tuple[str, ...], threshold: int, schemas_in_text: bool, *, store: bool = True,
                   chain: bool = False, insights: tuple[str, ...] = (), base: str = "") -> str:
-    """The system prompt of an agent (memexrl/agents.py): memory instructions only for what it has.
+    """The system prompt of an agent (rollout/strategies.py): memory instructions only for what it has.
 
     `base` replaces the ALFWorld task paragraph (another task on the same loop, e.g. reading LME-V2
     trajectories as a memory controller, eval/lme/memory/memex.py)."""

@@ -10,9 +10,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from memexrl.memory.anchors import extract_span, fill_content
-from memexrl.memory.context import ChatRenderer, WorkingContext
-from memexrl.memory.store import BlockWrite, ExperienceStore, is_valid_index
+from memory.anchors import extract_span, fill_content
+from memory.context import ChatRenderer, WorkingContext
+from memory.store import BlockWrite, ExperienceStore, is_valid_index
 
 SUMMARY_HEADER = "=== SUMMARY OF YOUR PREVIOUS CONTEXT ==="
 TRUNCATION_MARKER = "[TRUNCATED - use ReadExperience(db_index) to retrieve details]"

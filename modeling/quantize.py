@@ -49,8 +49,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from memexrl.errors import MemexError
-from memexrl.zero3 import full_shape, gathered, is_partitioned
+from common.errors import MemexError
+from modeling.zero3 import full_shape, gathered, is_partitioned
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from memexrl.trajectory import Segment
+from common.trajectory import Segment
 
 _SENTINEL = "\x00MEMEX_SPLIT\x00"
 
@@ -113,7 +113,7 @@ def with_status(body: str, measure: Callable[[str], int], status: Callable[[int]
 class WorkingContext:
     """One episode's context: messages plus the token buffer of the current segment."""
 
-    def __init__(self, renderer: ChatRenderer, system: str, task: str, threshold: int, warn_ratio: float = 0.8,
+    def __init__(self, renderer: ChatRenderer, system: str, task: str, threshold: int, warn_ratio: float,
                  show_status: bool = True):
         self.renderer = renderer
         self.threshold = threshold

@@ -1,7 +1,7 @@
-"""Agents: how each strategy manages its context, on the same env, engine and agent loop.
+"""Context strategies: how memex and each baseline agent manage their context, on one env, engine and agent loop.
 
 `AgentSpec` says which tools an agent has and what stays in its context; `Episode`
-(memexrl/agent.py) applies it after every observation. The strategies compared in the
+(rollout/episode.py) applies it after every observation. The strategies compared in the
 ALFWorld evaluation (design.md `eval alfworld --agent`):
 
 - `memex` (the default): CompressExperience + ReadExperience over the experience store, the
@@ -22,9 +22,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from memexrl.memory.parsing import COMPRESS, EXECUTE_ACTION, FINISH, READ
+from common.config import AGENT_NAMES
+from memory.parsing import COMPRESS, EXECUTE_ACTION, FINISH, READ
 
-AGENT_NAMES = ("memex", "full", "truncate", "summary", "m2")
 CHAIN_HEADER = "Your step summaries so far (older observations were dropped):"
 _STATE = re.compile(r"^\s*State:\s*(.+?)\s*$", re.MULTILINE)
 
@@ -40,7 +40,7 @@ class AgentSpec:
     insights: tuple[str, ...] = field(default=())  # suggestions for the system prompt (M²)
     # M²: the insights for a task, from its goal (eval/m2_insights.py InsightBank.retrieve); after `insights`.
     retrieve: Callable[[str], tuple[str, ...]] | None = field(default=None, compare=False, repr=False)
-    task_prompt: str = ""  # the system prompt's task paragraph ("" = the ALFWorld one, memexrl/memory/prompts.py)
+    task_prompt: str = ""  # the system prompt's task paragraph ("" = the ALFWorld one, memory/prompts.py)
 
     def insights_for(self, goal: str) -> tuple[str, ...]:
         return self.insights + (self.retrieve(goal) if self.retrieve is not None else ())

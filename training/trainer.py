@@ -6,7 +6,7 @@ One flat loop in phases, each step:
   advantage GRPO over each game's G trajectories; groups whose rewards tie are dropped
   segment   each kept trajectory's segments become training sequences sharing its advantage
   update    old / reference log-probs, then tasks*G / global_batch_size optimizer steps, each
-            accumulating micro-batches of segments (memexrl/grpo.py is the objective)
+            accumulating micro-batches of segments (training/grpo.py is the objective)
   sync      the engine receives the new weights (a no-op for the in-process engine)
   log       metrics.jsonl (design.md keys), wandb scalars + a trajectory table
   save      atomic checkpoints every save_steps; `--resume` continues the same run
@@ -20,8 +20,8 @@ config's batch / clipping values from the train section. ZeRO-3 also shards the 
 in-process transformers engine then generates inside `generation_weights`, which gathers the
 whole model on every process for the rollout phase (small models only: large models roll out
 with the vLLM engine, which receives the weights in `sync_weights`), and the frozen reference
-of full fine-tuning is sharded too (finetune.py). Checkpoints gather the weights with
-`accelerator.get_state_dict` and add the engine's optimizer shards (train_state.py).
+of full fine-tuning is sharded too (training/policy.py). Checkpoints gather the weights with
+`accelerator.get_state_dict` and add the engine's optimizer shards (training/state.py).
 """
 
 from __future__ import annotations
@@ -38,17 +38,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from memexrl.batching import (
+from common.config import Config
+from common.errors import MemexError
+from common.seeding import seed_everything
+from rewards import score_trajectories
+from rollout.hf_engine import TransformersEngine
+from rollout.runner import make_renderer, open_envs, run_episodes
+from training.batching import (
     advantages_for,
     build_samples,
     fill_logprobs,
 )
-from memexrl.config import Config
-from memexrl.errors import MemexError
-from memexrl.finetune import Policy, load_policy_for_grpo
-from memexrl.seeding import seed_everything
-from memexrl.train_log import RunLogger, rollout_metrics
-from memexrl.train_state import (
+from training.log import RunLogger, rollout_metrics
+from training.policy import Policy, load_policy_for_grpo
+from training.state import (
     DEEPSPEED_DIR,
     TaskSampler,
     find_checkpoint,
@@ -58,10 +61,7 @@ from memexrl.train_state import (
     task_pool,
     trim_metrics,
 )
-from memexrl.update import pad_id, update_policy
-from rewards.memex import score_trajectory
-from rollout.hf_engine import TransformersEngine
-from rollout.runner import make_renderer, open_envs, run_episodes
+from training.update import pad_id, update_policy
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +74,10 @@ def make_optimizer(policy: Policy, cfg: Config):
     params = policy.trainable_parameters()
     optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay,
                                   betas=(t.adam_beta1, t.adam_beta2))
-    total = t.steps * updates_per_step(cfg)
+    total = t.steps * t.updates_per_step
     name = "constant_with_warmup" if t.lr_scheduler == "constant" else "cosine"
     scheduler = get_scheduler(name, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=total)
     return optimizer, scheduler
-
-
-def updates_per_step(cfg: Config) -> int:
-    return cfg.train.tasks_per_step * cfg.train.group_size // cfg.train.global_batch_size
 
 
 def make_engine(policy: Policy, cfg: Config, accelerator=None):
@@ -91,14 +87,14 @@ def make_engine(policy: Policy, cfg: Config, accelerator=None):
     if r.engine != "vllm":
         return TransformersEngine(policy.model, policy.tokenizer, temperature=r.temperature, top_p=r.top_p,
                                   top_k=r.top_k, batch_size=r.batch_size, seed=cfg.seed)
-    from memexrl.model_zoo import resolve_model_path
+    from modeling.zoo import resolve_model_path
     from rollout.vllm import Ranks, make_vllm_engine
 
     model_dir = r.vllm_model or resolve_model_path(policy.rollout_model_dir, cfg.model.cache_dir)
     engine = make_vllm_engine(
-        cfg, model_dir, policy.tokenizer, server_url=r.vllm_server_url or None,
-        lora_rank=cfg.train.lora_r if policy.uses_adapter else 0, max_model_len=r.max_context_tokens,
-        gpu_memory_utilization=r.vllm_gpu_memory_utilization, dtype=cfg.model.dtype,
+        model_dir=model_dir, tokenizer=policy.tokenizer, sampling=r, seed=cfg.seed, dtype=cfg.model.dtype,
+        server_url=r.vllm_server_url or None, lora_rank=cfg.train.lora_r if policy.uses_adapter else 0,
+        max_model_len=r.max_context_tokens, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         ranks=Ranks.of(accelerator) if accelerator is not None else Ranks(),
     )
     engine.sync_weights(policy.model)  # the starting adapter (or resumed weights)
@@ -262,21 +258,21 @@ class Trainer:
         return acc.num_processes * local / max(total, 1e-12)
 
     def update(self, samples_per_update: list[list], metrics: dict) -> None:
-        metrics.update(update_policy(self.model, self.optimizer, self.scheduler, self.accelerator, samples_per_update,
-                                     self.cfg.train, self.policy.tokenizer, self.policy.trainable_parameters()))
+        metrics.update(update_policy(
+            model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, accelerator=self.accelerator,
+            samples_per_update=samples_per_update, train=self.cfg.train, pad_token_id=pad_id(self.policy.tokenizer),
+            params=self.policy.trainable_parameters()))
 
     def prepare_samples(self, trajs, groups, step: int, metrics: dict) -> tuple[list[list], list[float]]:
         """Score, advantages, segments -> per-update SegmentSample lists (with old/ref log-probs), advantages."""
         t = self.cfg.train
-        r = self.cfg.reward
-        for traj in trajs:
-            score_trajectory(traj, self.cfg.memory.threshold, r.lambda_ctx, r.lambda_red, r.lambda_fmt)
+        score_trajectories(trajs, self.cfg.memory.threshold, self.cfg.reward)
         advantages, keep = advantages_for(trajs, groups, t.advantage_norm, t.adv_eps)
         n_groups = len(set(groups))
         metrics["zero_std_group_frac"] = 1.0 - len({g for g, k in zip(groups, keep) if k}) / max(1, n_groups)
         kept = [i for i, k in enumerate(keep) if k]
         per_update = []
-        for mb in minibatches(len(kept), updates_per_step(self.cfg), self.cfg.seed, step):
+        for mb in minibatches(len(kept), t.updates_per_step, self.cfg.seed, step):
             members = {kept[i] for i in mb}
             local_keep = [i in members for i in range(len(trajs))]
             samples = build_samples(trajs, advantages, local_keep, t.loss_agg)

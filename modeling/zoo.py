@@ -16,7 +16,7 @@ directories are built in a temporary directory and renamed into place under a fi
 interrupted build never leaves a half directory and two processes never build the same
 directory at once. A directory is complete when it holds the marker file ``MARKER``.
 
-Loading a resolved model (devices, dtypes, tokenizers, adapters) is `memexrl.models`.
+Loading a resolved model (devices, dtypes, tokenizers, adapters) is `modeling.load`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memexrl.errors import MemexError
+from common.errors import MemexError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.utils.checkpoint
 
-from memexrl import grpo
-from memexrl.trajectory import Trajectory
-from memexrl.zero3 import is_partitioned
+from common.trajectory import Trajectory
+from modeling.zero3 import is_partitioned
+from training import grpo
 
 
 @dataclass
