@@ -9,6 +9,7 @@ fix (the TRL/HF way, design.md "Conventions").
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -59,6 +60,9 @@ class EnvConfig:
     )
     max_steps: int = _help("Step limit per episode (release: 50).", 50)
     num_workers: int = _help("Env worker processes (one env per process; TextWorld is not thread-safe).", 2)
+    step_timeout_s: float = _help(
+        "Seconds an env worker may take to answer one reset or step before it is killed, restarted and its "
+        "episode ends as crashed (a reset loads the game: ~1 s).", 120.0)
     seed: int = _help("Seed of ALFWorld's handcoded expert (it uses `random`).", 0)
 
 
@@ -344,6 +348,8 @@ class Config:
     demo: DemoSection = field(default_factory=DemoSection)
 
     def __post_init__(self) -> None:
+        for message in _number_problems(self):
+            raise MemexError(f"bad config: {message}")
         checks = [
             (self.memory.threshold > 0, "memory.threshold must be > 0"),
             (0 < self.memory.warn_ratio <= 1, "memory.warn_ratio must be in (0, 1]"),
@@ -355,6 +361,12 @@ class Config:
             (self.rollout.engine in ("transformers", "scripted", "vllm"), "rollout.engine must be transformers, scripted or vllm"),
             (self.rollout.observation_role in ("tool", "user"), "rollout.observation_role must be 'tool' or 'user'"),
             (self.rollout.max_new_tokens > 0, "rollout.max_new_tokens must be > 0"),
+            (self.rollout.max_context_tokens > 0, "rollout.max_context_tokens must be > 0"),
+            (self.rollout.batch_size > 0, "rollout.batch_size must be > 0"),
+            (0 < self.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
+            (self.env.step_timeout_s > 0, "env.step_timeout_s must be > 0"),
+            (self.train.learning_rate > 0, "train.learning_rate must be > 0"),
+            (self.train.lora_r > 0, "train.lora_r must be > 0"),
             (self.rollout.temperature >= 0, "rollout.temperature must be >= 0"),
             (self.eval.agent in AGENT_NAMES, f"eval.agent must be one of {', '.join(AGENT_NAMES)}"),
             (self.eval.games >= 0, "eval.games must be >= 0"),
@@ -395,6 +407,28 @@ class Config:
 
     def save(self, path: str | os.PathLike) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+NEGATIVE_MEANS = {"sft.max_steps": "-1: run all epochs (TRL's convention)"}
+
+
+def _number_problems(cfg: Config) -> list[str]:
+    """Every number of every section must be finite and >= 0 (0 is each one's "off" or "all"; only
+    NEGATIVE_MEANS's settings give -1 a meaning); `Config.__post_init__` then asks for > 0 where 0 means nothing."""
+    problems = []
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for f in dataclasses.fields(values) if dataclasses.is_dataclass(values) else ():
+            value, key = getattr(values, f.name), f"{section.name}.{f.name}"
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if not math.isfinite(value):
+                problems.append(f"{key} must be a finite number, got {value}")
+            elif value < 0 and not (key in NEGATIVE_MEANS and value == -1):
+                problems.append(f"{key} must be >= 0, got {value}")
+    if isinstance(cfg.seed, int) and cfg.seed < 0:
+        problems.append(f"seed must be >= 0, got {cfg.seed}")
+    return problems
 
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:
@@ -479,9 +513,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         if not p.is_file():
             raise MemexError(f"config file not found: {p}; pass an existing YAML file (see configs/)")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as exc:
             raise MemexError(f"config {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise MemexError(f"config {p} cannot be read as a YAML text file ({exc}); pass the YAML config") from None
         if not isinstance(data, dict):
             raise MemexError(f"config {p} must be a mapping of sections (model:, env:, ...)")
     data = apply_overrides(data, overrides or [])

@@ -12,8 +12,21 @@ for in-process engines it is a no-op (they share the trained module).
 from __future__ import annotations
 
 import abc
+import re
 from dataclasses import dataclass
 from typing import Any
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_unicode(text: str) -> str:
+    """`text` with every lone surrogate replaced by U+FFFD: what a tokenizer, a file or SQLite can take.
+
+    Model engines decode token ids, which gives valid Unicode already; a scripted reply (a replay
+    script's JSON may hold "\\ud800") or a hostile one may not. The agent loop and the scripted
+    engine pass every reply through this before anything tokenizes or stores it.
+    """
+    return _LONE_SURROGATE.sub("\ufffd", text) if _LONE_SURROGATE.search(text) else text
 
 
 @dataclass

@@ -14,8 +14,12 @@ def read_jsonl(path: str | Path, missing: str, shape: str) -> list[tuple[int, An
     p = Path(path)
     if not p.is_file():
         raise MemexError(f"{missing}: {p}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MemexError(f"{p} cannot be read as a UTF-8 text file ({exc}); {shape}") from None
     items = []
-    for n, line in enumerate(p.read_text().splitlines(), start=1):
+    for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

@@ -69,6 +69,9 @@ class Segment:
         }
 
 
+CRASH = "crash"  # end_reason of an episode lost to an env worker, engine or internal fault
+
+
 @dataclass
 class Trajectory:
     game: str
@@ -79,8 +82,13 @@ class Trajectory:
     steps: list[Step] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     experience: dict[str, str] = field(default_factory=dict)
-    end_reason: str = ""  # finish | env_done | step_limit | script_exhausted | context_limit | env_crash
-    error: str | None = None  # why an episode was lost (env worker crash), if it was
+    end_reason: str = ""  # finish | env_done | step_limit | script_exhausted | context_limit | crash
+    error: str | None = None  # why an episode was lost (a crash), if it was
+
+    @property
+    def crashed(self) -> bool:
+        """Lost to a fault that is not the policy's (env worker, engine, a bug): not a failure to learn from."""
+        return self.end_reason == CRASH
 
     @property
     def stats(self) -> dict[str, int]:

@@ -42,6 +42,7 @@ def aggregate(trajs: list[Trajectory]) -> dict:
     stats = [t.stats for t in trajs]
     return {
         "n_games": len(trajs),
+        "n_crashed": sum(t.crashed for t in trajs),  # lost to an env worker / engine fault; counted as not won
         "success_rate": _mean(t.success for t in trajs),
         "by_task_type": success_by_task_type(trajs),
         "peak_working_tokens_mean": _mean(s["peak_working_tokens"] for s in stats),
@@ -112,16 +113,22 @@ def evaluate(cfg: Config, progress: bool = True) -> dict:
 
     e = cfg.eval
     out = Path(e.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     games = eval_games(cfg)  # a bad split or missing data stops here, before any model loads
     agent = make_eval_agent(cfg)
     checkpoint = resolve_checkpoint(e.checkpoint or cfg.model.name, "eval.checkpoint")
-    engine, tokenizer = make_eval_engine(cfg, checkpoint, out)
+    fresh = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        engine, tokenizer = make_eval_engine(cfg, checkpoint, out)
+    except BaseException:
+        if fresh and not any(out.iterdir()):  # a checkpoint that does not load leaves no empty result directory
+            out.rmdir()
+        raise
     jobs = [(f"eval-{i}", str(g)) for i, g in enumerate(games)]
     start = time.perf_counter()
     with open_envs(cfg) as envs:
         trajs = run_episodes(jobs, engine, envs, make_renderer(tokenizer, cfg, agent), cfg, agent=agent,
-                             progress=progress)
+                             progress=progress, run_dir=out)
     score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
     result = {"split": e.split, "agent": e.agent, "checkpoint": checkpoint, "temperature": e.temperature,
               **({"task_types": e.task_types} if e.task_types else {}), "max_steps": cfg.env.max_steps,
@@ -162,4 +169,6 @@ def summary_line(result: dict) -> str:
     return (f"{result['agent']} on {result['n_games']} {result['split']} games: success "
             f"{100 * result['success_rate']:.1f}%, peak working tokens {result['peak_working_tokens_mean']:.0f}, "
             f"compress {result['num_compress_mean']:.2f} / read {result['num_read_mean']:.2f} per episode, "
-            f"reward {result['reward_mean']:.3f}")
+            f"reward {result['reward_mean']:.3f}"
+            + (f"; {result['n_crashed']} crashed (not the policy's fault: see episodes.jsonl)" if result.get("n_crashed")
+               else ""))

@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from common.argtypes import non_negative_int, positive_int
 from common.errors import MemexError
 from common.malloc import return_freed_memory
 from envs.data import DEFAULT_DEST
@@ -38,6 +39,8 @@ def read_script(path: str | Path) -> list[str]:
         if not isinstance(item, dict) or not isinstance(item.get("assistant"), str):
             raise MemexError(f"{path} line {n}: expected an object with a string field \"assistant\"")
         turns.append(item["assistant"])
+    if not turns:
+        raise MemexError(f"{path} has no turns: write one {{\"assistant\": \"...\"}} object per line")
     return turns
 
 
@@ -62,6 +65,8 @@ def cmd_replay(args: argparse.Namespace) -> None:
     if args.env != "alfworld":
         raise MemexError(f"unknown env {args.env!r}; available: alfworld")
     cfg = load_config(args.config, args.overrides)
+    if args.out and not Path(args.out).parent.is_dir():  # fail now, not after the episode
+        raise MemexError(f"--out {args.out}: the directory {Path(args.out).parent} does not exist; create it first")
     game = resolve_game(args.game, cfg.env.data_dir)
     turns = read_script(args.script)
     out = replay(str(game), turns, cfg, load_tokenizer(cfg.model))
@@ -128,7 +133,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     from memexrl.plot import plot_run
     from training.trainer import train
 
-    checkpoint = train(cfg, resume=args.resume_from or ("latest" if args.resume else None))
+    resume = args.resume_from or ("latest" if args.resume else None)
+    if resume and args.overwrite:
+        raise MemexError("--overwrite starts the run over and --resume continues it: give one of them")
+    checkpoint = train(cfg, resume=resume, overwrite=args.overwrite)
     if PartialState().is_main_process:
         for path in plot_run(cfg.train.output_dir):
             print(f"plot {path}")
@@ -221,10 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     exp = sub.add_parser("expert", help="Memex expert demonstrations (trajectory JSON lines) for SFT")
     exp.add_argument("--split", required=True, help="train, valid_seen, valid_unseen or valid")
-    exp.add_argument("--games", type=int, required=True, help="play the first N games of the split")
+    exp.add_argument("--games", type=positive_int, required=True, help="play the first N games of the split")
     exp.add_argument("--out", required=True, help="directory for demos.jsonl and report.json")
     exp.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
-    exp.add_argument("--workers", type=int, default=None, help="env worker processes (default: env.num_workers)")
+    exp.add_argument("--workers", type=non_negative_int, default=None, help="env worker processes (default: env.num_workers)")
     exp.add_argument("--order", choices=["sorted", "mixed"], default="mixed",
                      help="sorted: the split's sorted order (grouped by task type); mixed: task types in turn")
     exp.add_argument("--task-types", default="",
@@ -243,13 +251,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue the run in train.output_dir from its newest checkpoint")
     tra.add_argument("--resume-from", default=None, metavar="DIR",
                      help="continue from this checkpoint (RUN/checkpoints/step-N) instead")
+    tra.add_argument("--overwrite", action="store_true",
+                     help="train.output_dir holds a run: delete its checkpoints, metrics, rollouts and plots, start over")
     tra.add_argument("--dry-run", action="store_true",
                      help="print the resolved plan (processes, batches, memory per process) without loading the model")
-    tra.add_argument("--num-processes", type=int, default=None, metavar="N",
+    tra.add_argument("--num-processes", type=positive_int, default=None, metavar="N",
                      help="--dry-run: training processes (default: launcher env, --accelerate-config, else 1)")
     tra.add_argument("--accelerate-config", default=None, metavar="YAML",
                      help="--dry-run: accelerate config to plan for (processes, DeepSpeed ZeRO stage)")
-    tra.add_argument("--params", type=int, default=None, metavar="N",
+    tra.add_argument("--params", type=positive_int, default=None, metavar="N",
                      help="--dry-run: parameter count when the model's config.json is not available offline")
     tra.add_argument("--gpu-memory-gib", type=float, default=None, metavar="GIB",
                      help="--dry-run: memory of one GPU to check the plan against (default: the visible GPU's)")
@@ -264,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     alf_eval.add_argument("--config", default=None, help="YAML config (its eval section; default: built-in defaults)")
     alf_eval.add_argument("--checkpoint", default=None, help="checkpoint dir, run dir or model name (eval.checkpoint)")
     alf_eval.add_argument("--split", default=None, help="train, valid_seen, valid_unseen or valid (eval.split)")
-    alf_eval.add_argument("--games", type=int, default=None, help="N games stratified by task type (eval.games)")
+    alf_eval.add_argument("--games", type=positive_int, default=None, help="N games stratified by task type (eval.games)")
     alf_eval.add_argument("--task-types", default=None, help="comma-separated task types only (eval.task_types)")
     alf_eval.add_argument("--agent", default=None, help="memex, full, truncate, summary or m2 (eval.agent)")
     alf_eval.add_argument("--out", default=None, help="output directory (eval.output_dir)")
@@ -279,20 +289,20 @@ def build_parser() -> argparse.ArgumentParser:
     ben = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     ben.add_argument("what", choices=["env", "store", "rollout", "trainer", "update", "sync"], help="what to measure")
     ben.add_argument("--split", default="valid_seen", help="games for env/rollout benches")
-    ben.add_argument("--games", type=int, default=4, help="games for env/rollout benches")
-    ben.add_argument("--steps", type=int, default=200, help="env steps per worker count (bench env)")
-    ben.add_argument("--blocks", type=int, default=2000, help="blocks written (bench store)")
+    ben.add_argument("--games", type=positive_int, default=4, help="games for env/rollout benches")
+    ben.add_argument("--steps", type=positive_int, default=200, help="env steps per worker count (bench env)")
+    ben.add_argument("--blocks", type=positive_int, default=2000, help="blocks written (bench store)")
     ben.add_argument("--config", default=None, help="YAML config (bench rollout; trainer, update: configs/tiny-cpu.yaml)")
-    ben.add_argument("--runs", type=int, default=3, help="timed runs of each side (bench trainer)")
-    ben.add_argument("--bench-steps", type=int, default=2, help="GRPO steps per run (bench trainer, update)")
-    ben.add_argument("--prompts", type=int, default=2, help="prompts per step (bench trainer)")
-    ben.add_argument("--group", type=int, default=4, help="G, completions per prompt (bench trainer)")
-    ben.add_argument("--completion-tokens", type=int, default=32, help="tokens per completion (bench trainer)")
-    ben.add_argument("--segment-tokens", type=int, default=2000, help="tokens per segment (bench update)")
-    ben.add_argument("--sync-hidden", type=int, default=1024, help="hidden size of the synced model (bench sync)")
-    ben.add_argument("--sync-layers", type=int, default=4, help="decoder layers of the synced model (bench sync)")
-    ben.add_argument("--sync-experts", type=int, default=16, help="experts per layer of the synced model (bench sync)")
-    ben.add_argument("--sync-bucket-mib", type=int, default=16, help="bucket size in MiB (bench sync)")
+    ben.add_argument("--runs", type=positive_int, default=3, help="timed runs of each side (bench trainer)")
+    ben.add_argument("--bench-steps", type=positive_int, default=2, help="GRPO steps per run (bench trainer, update)")
+    ben.add_argument("--prompts", type=positive_int, default=2, help="prompts per step (bench trainer)")
+    ben.add_argument("--group", type=positive_int, default=4, help="G, completions per prompt (bench trainer)")
+    ben.add_argument("--completion-tokens", type=positive_int, default=32, help="tokens per completion (bench trainer)")
+    ben.add_argument("--segment-tokens", type=positive_int, default=2000, help="tokens per segment (bench update)")
+    ben.add_argument("--sync-hidden", type=positive_int, default=1024, help="hidden size of the synced model (bench sync)")
+    ben.add_argument("--sync-layers", type=positive_int, default=4, help="decoder layers of the synced model (bench sync)")
+    ben.add_argument("--sync-experts", type=positive_int, default=16, help="experts per layer of the synced model (bench sync)")
+    ben.add_argument("--sync-bucket-mib", type=positive_int, default=16, help="bucket size in MiB (bench sync)")
     ben.add_argument("overrides", nargs="*", help="config overrides, section.key=value (bench trainer, update)")
     ben.set_defaults(func=cmd_bench)
 
@@ -311,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     qua = sub.add_parser("quantize", help="INT4 W4A16 (RTN, symmetric, grouped) checkpoint that vLLM loads")
     qua.add_argument("--model", required=True, help="HF checkpoint directory (config.json + *.safetensors)")
     qua.add_argument("--out", required=True, help="new directory for the quantised checkpoint")
-    qua.add_argument("--group-size", type=int, default=128, help="input columns per scale (default: 128)")
+    qua.add_argument("--group-size", type=positive_int, default=128, help="input columns per scale (default: 128)")
     qua.add_argument("--experts-only", action="store_true",
                      help="quantise only the routed MoE experts, as slime's converter does")
     qua.set_defaults(func=cmd_quantize)

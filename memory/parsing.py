@@ -7,6 +7,12 @@ A malformed call (unclosed tag, JSON that does not parse, missing name, unknown 
 missing or ill-typed required argument, two calls) is a *format error* (memex.md, P_format):
 the observation says exactly what was wrong. A reply with no call at all is not a format
 error; the agent is asked for one.
+
+The policy's text is untrusted: whatever it writes, parsing returns a `ParsedCall` and never
+raises. JSON that is too deep for the decoder, nested deeper than `MAX_ARGUMENT_DEPTH`, holding a
+lone surrogate (`\\ud800`: not Unicode, so no tokenizer, file or database can take it) or a number
+past Python's integer-digit limit is a format error; values the agent wrote are quoted back at
+most `QUOTE_CHARS` characters long (`quote`), so an error observation stays small.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from typing import Any
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 _THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+MAX_ARGUMENT_DEPTH = 8  # lists / objects inside the call; the tools need 3 (call -> db_blocks -> block)
+QUOTE_CHARS = 60  # at most this much of an agent-written value is repeated in an error observation
 
 EXECUTE_ACTION = "execute_action"
 COMPRESS = "CompressExperience"
@@ -128,6 +137,44 @@ class ParsedCall:
         return self.kind == "malformed"
 
 
+def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
+    """`value` as the agent wrote it, for an error observation: its repr, cut to `limit` characters."""
+    text = repr(value) if isinstance(value, str) else repr(type(value).__name__)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(value) if isinstance(value, str) else '?'} characters)"
+
+
+def untrusted_problem(value: Any) -> str | None:
+    """Why a decoded JSON value cannot be kept (None: it can): too deep, or a string that is not Unicode."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return "a string holds a lone surrogate such as \\ud800, which is not valid Unicode"
+        elif isinstance(item, (dict, list)):
+            if depth >= MAX_ARGUMENT_DEPTH:
+                return f"the call is nested more than {MAX_ARGUMENT_DEPTH} levels deep"
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return None
+
+
+def decode_json(text: str) -> tuple[Any, str | None]:
+    """json.loads for untrusted text: (value, None), or (None, why it cannot be used). Never raises."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return None, f"not valid JSON ({exc.msg})"
+    except RecursionError:
+        return None, "not valid JSON (too deeply nested)"
+    except ValueError as exc:  # e.g. an integer past sys.get_int_max_str_digits
+        return None, f"not valid JSON ({str(exc).split(';')[0]})"
+    problem = untrusted_problem(value)
+    return (None, problem) if problem else (value, None)
+
+
 def _malformed(message: str) -> ParsedCall:
     return ParsedCall(kind="malformed", error=f"Format error: {message}. Use exactly: {CALL_EXAMPLE}")
 
@@ -155,23 +202,21 @@ def parse_tool_call(text: str, tools: tuple[str, ...] | None = None, optional: t
     if end < 0:
         return _malformed(f"unclosed {OPEN_TAG} tag (add {CLOSE_TAG})")
     body = visible[start:end].strip()
-    try:
-        call = json.loads(body)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        return _malformed(f"the call is not valid JSON ({getattr(exc, 'msg', 'too deeply nested')})")
+    call, problem = decode_json(body)
+    if problem:
+        return _malformed(f"the call is {problem}" if problem.startswith("not valid") else problem)
     if not isinstance(call, dict):
         return _malformed("the call must be a JSON object with 'name' and 'arguments'")
     name = call.get("name")
     if not isinstance(name, str) or not name:
         return _malformed("the call has no 'name'")
     if name not in allowed:
-        return _malformed(f"unknown tool {name!r}; available tools: {', '.join(allowed)}")
+        return _malformed(f"unknown tool {quote(name)}; available tools: {', '.join(allowed)}")
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):  # some models emit arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return _malformed(f"the arguments of {name} are not a JSON object")
+        arguments, problem = decode_json(arguments)
+        if problem:
+            return _malformed(f"the arguments of {name} are not a JSON object: {problem}")
     if not isinstance(arguments, dict):
         return _malformed(f"the arguments of {name} must be a JSON object")
     for arg, (required, types) in _ARGUMENTS[name].items():

@@ -6,12 +6,12 @@ written, and the context rewritten, only when the whole call is valid.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from memory.anchors import extract_span, fill_content
 from memory.context import ChatRenderer, WorkingContext
+from memory.parsing import decode_json, quote
 from memory.store import BlockWrite, ExperienceStore, is_valid_index
 
 SUMMARY_HEADER = "=== SUMMARY OF YOUR PREVIOUS CONTEXT ==="
@@ -54,10 +54,9 @@ def _compress_error(message: str) -> ToolOutcome:
 def _blocks_from_arguments(raw: Any, context_text: str, summary: str) -> list[BlockWrite] | str:
     """Validate db_blocks and resolve anchors; return the blocks to write or an error message."""
     if isinstance(raw, str):  # a JSON string of a list is accepted (memex.md)
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError:
-            return "db_blocks must be a list of blocks (got a string that is not a JSON list)"
+        raw, problem = decode_json(raw)
+        if problem:
+            return f"db_blocks must be a list of blocks (got a string that is not a JSON list: {problem})"
     if not isinstance(raw, list):
         return "db_blocks must be a list of blocks"
     if not raw:
@@ -71,31 +70,31 @@ def _blocks_from_arguments(raw: Any, context_text: str, summary: str) -> list[Bl
         if index is None or index == "":
             return f"block {n} has no db_index"
         if not is_valid_index(index):
-            return f"block {n}: invalid db_index {index!r} (use 1-64 characters of A-Z a-z 0-9 _ -)"
+            return f"block {n}: invalid db_index {quote(index)} (use 1-64 characters of A-Z a-z 0-9 _ -)"
         if index in seen:
-            return f"db_index {index!r} appears twice in this call"
+            return f"db_index {quote(index)} appears twice in this call"
         seen.add(index)
         content = block.get("db_content")
         if content is not None and not isinstance(content, str):
-            return f"block {index!r}: db_content must be a string"
+            return f"block {quote(index)}: db_content must be a string"
         given = [a for a in _ANCHORS if block.get(a) not in (None, "")]
         if given and len(given) < 3:
             missing = ", ".join(a for a in _ANCHORS if a not in given)
-            return f"block {index!r}: anchor mode needs all three anchors; missing {missing}"
+            return f"block {quote(index)}: anchor mode needs all three anchors; missing {missing}"
         if given:
             if not all(isinstance(block[a], str) for a in _ANCHORS):
-                return f"block {index!r}: anchors must be strings"
+                return f"block {quote(index)}: anchors must be strings"
             span = extract_span(context_text, *(block[a] for a in _ANCHORS))
             if span is None:
                 return (
-                    f"block {index!r}: anchors not found in the current context (no span from start_anchor "
+                    f"block {quote(index)}: anchors not found in the current context (no span from start_anchor "
                     f"to end_anchor containing mid_anchor); copy them exactly from the context"
                 )
             blocks.append(BlockWrite(index, fill_content(content, span), "anchor", _describe(index, summary)))
         elif content:
             blocks.append(BlockWrite(index, content, "explicit", _describe(index, summary)))
         else:
-            return f"block {index!r} has neither db_content nor anchors"
+            return f"block {quote(index)} has neither db_content nor anchors"
     return blocks
 
 
@@ -152,9 +151,9 @@ def run_read(arguments: dict, store: ExperienceStore, fallback_k: int = 0) -> To
     if block is not None:
         return ToolOutcome(observation=f"Retrieved [{index}] ({len(block.content)} chars):\n{block.content}")
     available = ", ".join(store.indices()) or "none (the experience store is empty)"
-    message = f"ReadExperience error: no block with index {index!r}. Available indices: {available}"
+    message = f"ReadExperience error: no block with index {quote(index)}. Available indices: {available}"
     if fallback_k > 0 and len(store):
         close = store.suggest(str(index), k=fallback_k)
         if close:
             message += f"\nClosest matches: {', '.join(close)} (call ReadExperience with one of them)"
-    return ToolOutcome(observation=message, error=f"no block with index {index!r}")
+    return ToolOutcome(observation=message, error=f"no block with index {quote(index)}")

@@ -14,11 +14,12 @@ the context window is full, when a scripted policy runs out, or when its env wor
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from common.config import EnvConfig, MemoryConfig, RolloutConfig
-from common.engine import Completion
-from common.trajectory import Step, Trajectory
+from common.engine import Completion, valid_unicode
+from common.trajectory import CRASH, Step, Trajectory
 from memory.context import ChatRenderer, WorkingContext
 from memory.parsing import (
     EXECUTE_ACTION,
@@ -72,7 +73,7 @@ class Episode:
     def start(self, answer: EnvResult) -> None:
         """Build [system, task] from the env's reset answer."""
         if answer.crashed:
-            self._end("env_crash", error=answer.error)
+            self.crash(f"env worker: {answer.error}")
             return
         info = self.last_info = answer.info
         self.traj.task_type = info.get("task_type", "")
@@ -101,6 +102,8 @@ class Episode:
             self._end("script_exhausted")
             return None
         step = len(self.traj.steps)
+        if valid_unicode(completion.text) is not completion.text:
+            completion = replace(completion, text=valid_unicode(completion.text))
         self.context.add_assistant(
             completion.text, completion.token_ids, completion.logprobs, step, trained=completion.trained
         )
@@ -149,7 +152,7 @@ class Episode:
             record.error = answer.error
             record.observation = f"Environment error: {answer.error}"
             self.traj.steps.append(record)
-            self._end("env_crash", error=answer.error)
+            self.crash(f"env worker: {answer.error}")
             return
         self.last_info = answer.info
         record.state_changing = bool(answer.info.get("state_changing", False))
@@ -157,6 +160,15 @@ class Episode:
         self.traj.success = self.traj.success or won
         end = "env_done" if (answer.terminated or answer.truncated) else None
         self._observe(record, answer.obs.strip(), end=end)
+
+    def crash(self, error: str) -> None:
+        """End the episode for a fault that is not the policy's (env worker, engine, internal error).
+
+        It ends with `end_reason` crash and the reason; GRPO leaves it out of its group
+        (training/batching.py `advantages_for`) and the metrics count it.
+        """
+        if not self.done:
+            self._end(CRASH, error=error)
 
     # --- internals ----------------------------------------------------------------------------
     def _observe(self, record: Step, body: str, end: str | None = None) -> None:

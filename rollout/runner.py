@@ -3,22 +3,26 @@
 Each round: every live episode asks for its next turn, the engine generates them together,
 memory tools run at once inside each episode, and the env actions go to the env pool
 together (its workers step in parallel). Finished episodes release their engine state and
-their env. The runner never drops an episode: a crashed env worker ends its episode as
-failed with the reason (envs/pool.py).
+their env. The runner never drops an episode and no episode ends the run: a crashed env worker
+(envs/pool.py), an engine that fails on a request, or an internal error while handling a reply
+ends that episode with `end_reason` crash and the reason (`Episode.crash`); the others play on.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from tqdm.auto import tqdm
 
-from common.config import Config
-from common.engine import Engine, GenerationRequest
+from common.config import Config, MemoryConfig
+from common.engine import Completion, Engine, GenerationRequest
+from common.errors import MemexError
 from common.trajectory import Trajectory
 from memory.context import ChatRenderer
 from memory.prompts import tool_schemas
@@ -68,11 +72,57 @@ def open_envs(cfg: Config, num_workers: int | None = None) -> Envs:
     from envs.pool import EnvPool
 
     workers = cfg.env.num_workers if num_workers is None else num_workers
-    return EnvPool(workers, env_kwargs(cfg)) if workers > 0 else InlineEnvs(env_kwargs(cfg))
+    return EnvPool(workers, env_kwargs(cfg), timeout=cfg.env.step_timeout_s) if workers > 0 else InlineEnvs(env_kwargs(cfg))
 
 
 def make_renderer(tokenizer, cfg: Config, agent: AgentSpec = MEMEX_AGENT) -> ChatRenderer:
     return ChatRenderer(tokenizer, tool_schemas(agent.tools, agent.store), cfg.rollout.observation_role)
+
+
+SQLITE_FILE = "memory.sqlite"  # the durable experience store of a run, in its run directory by default
+
+
+def episode_stores(memory: MemoryConfig, run_dir: str | Path | None) -> Callable[[str], ExperienceStore]:
+    """Each episode's experience store, by episode id.
+
+    In memory: a fresh store per episode. SQLite (durable): one file, `memory.sqlite_path` or else
+    RUN/memory.sqlite, with each episode in its own namespace `RUNID/EPISODE`, RUNID fresh for every
+    call: episode ids repeat across runs (`replay`, `eval-0`, `s1-...`), and a block one run wrote
+    must never be read by another run's episode.
+    """
+    if memory.backend != "sqlite":
+        return lambda _id: open_store(memory.backend)
+    path = memory.sqlite_path or (str(Path(run_dir) / SQLITE_FILE) if run_dir is not None else "")
+    if not path:
+        raise MemexError("memory.backend=sqlite needs memory.sqlite_path here (this command has no run directory)")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    run_id = uuid.uuid4().hex[:12]
+    log.info("experience stores: %s, namespaces %s/EPISODE", path, run_id)
+    return lambda episode_id: open_store("sqlite", path, namespace=f"{run_id}/{episode_id}")
+
+
+def generate_each(engine: Engine, requests: list[GenerationRequest]) -> list[Completion | str]:
+    """The engine's completions in request order; where generation failed, the reason (a str).
+
+    One batched call; if it raises, each request is retried alone, so one bad request (a prompt
+    the engine refuses, a server error) loses its own episode only.
+    """
+    try:
+        completions = engine.generate(requests)
+        if len(completions) == len(requests):
+            return list(completions)
+        raise RuntimeError(f"{len(completions)} completions for {len(requests)} requests")
+    except Exception as exc:
+        log.warning("engine failed on a batch of %d (%s: %s); retrying one by one", len(requests),
+                    type(exc).__name__, exc)
+    out: list[Completion | str] = []
+    for request in requests:
+        try:
+            (completion,) = engine.generate([request])
+            out.append(completion)
+        except Exception as exc:
+            out.append(f"engine: {type(exc).__name__}: {exc}")
+    return out
 
 
 def run_episodes(
@@ -84,14 +134,16 @@ def run_episodes(
     *,
     agent: AgentSpec = MEMEX_AGENT,
     store_factory: Callable[[str], ExperienceStore] | None = None,
+    run_dir: str | Path | None = None,
     progress: bool = False,
     times: RolloutTimes | None = None,
 ) -> list[Trajectory]:
-    """Play `jobs` = [(episode_id, game_file), ...] to the end; trajectories in job order."""
+    """Play `jobs` = [(episode_id, game_file), ...] to the end; trajectories in job order.
+
+    The experience stores come from `store_factory`, else `episode_stores(cfg.memory, run_dir)`.
+    """
     times = times if times is not None else RolloutTimes()
-    make_store = store_factory or (
-        lambda _id: open_store(cfg.memory.backend, cfg.memory.sqlite_path, namespace=_id)
-    )
+    make_store = store_factory or episode_stores(cfg.memory, run_dir)
     episodes = {eid: Episode(eid, str(game), renderer, make_store(eid), memory=cfg.memory, env=cfg.env,
                               rollout=cfg.rollout, agent=agent) for eid, game in jobs}
     t0 = time.perf_counter()
@@ -117,11 +169,19 @@ def run_episodes(
         t0 = time.perf_counter()
         requests = [GenerationRequest(ep.id, ep.request_ids(), ep.max_new_tokens(), ep) for ep in live]
         t1 = time.perf_counter()
-        completions = engine.generate(requests)
+        completions = generate_each(engine, requests)
         t2 = time.perf_counter()
         actions = []
         for ep, completion in zip(live, completions):
-            action = ep.on_completion(completion)
+            if isinstance(completion, str):
+                ep.crash(completion)
+                continue
+            try:
+                action = ep.on_completion(completion)
+            except Exception as exc:  # a bug of ours, reached by this reply: lose the episode, not the run
+                log.exception("episode %s: internal error on a reply", ep.id)
+                ep.crash(f"internal error on the reply: {type(exc).__name__}: {exc}")
+                continue
             if action is not None:
                 actions.append((ep.id, action))
         t3 = time.perf_counter()

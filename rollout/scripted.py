@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.engine import Completion, Engine, GenerationRequest
+from common.engine import Completion, Engine, GenerationRequest, valid_unicode
 
 
 class ScriptedEngine(Engine):
@@ -27,7 +27,7 @@ class ScriptedEngine(Engine):
                 out.append(Completion(text="", token_ids=[], logprobs=[], finish_reason="exhausted"))
                 continue
             self.position[req.episode_id] = turn + 1
-            text = script[turn]
+            text = valid_unicode(script[turn])
             ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
             finish = "stop"
             if self.tokenizer.eos_token_id is not None:

@@ -49,7 +49,7 @@ def post_sft_check(cfg: Config, checkpoint: str | Path, out_dir: str | Path) -> 
                                 seed=cfg.seed)
     jobs = [(f"check-{i}", str(g)) for i, g in enumerate(games)]
     with open_envs(cfg) as envs:
-        trajs = run_episodes(jobs, engine, envs, make_renderer(tokenizer, cfg), cfg, progress=True)
+        trajs = run_episodes(jobs, engine, envs, make_renderer(tokenizer, cfg), cfg, progress=True, run_dir=out_dir)
     score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
     report = {"checkpoint": str(checkpoint), "split": cfg.sft.check_split, "temperature": cfg.sft.check_temperature,
               **summarize(trajs)}

@@ -103,3 +103,19 @@ def test_demo_with_a_changed_config_is_one_clear_error(alfworld_data, tmp_path):
     (out / "config.yaml").write_text("demo:\n  eval_games: 9\n")
     second = memexrl("demo", "--out", str(out), f"env.data_dir={alfworld_data}")
     assert_one_line_error(second, "--restart")
+
+
+def test_train_into_a_directory_holding_a_run_stops_before_touching_it(alfworld_data, tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-4").mkdir(parents=True)
+    (run / "checkpoints" / "step-4" / "trainer_state.json").write_text('{"step": 4}')
+    (run / "metrics.jsonl").write_text('{"step": 4}\n')
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    env = {"ALFWORLD_DATA": str(alfworld_data)}
+    result = memexrl("train", "--config", "configs/tiny-cpu.yaml", f"train.output_dir={run}", env=env)
+    assert_one_line_error(result, "holds a run (step-4, metrics.jsonl): continue it with --resume, start over "
+                                  "with --overwrite")
+    assert_one_line_error(memexrl("train", "--config", "configs/tiny-cpu.yaml", "--resume", "--overwrite",
+                                  f"train.output_dir={run}", env=env), "give one of them")
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+    assert (run / "metrics.jsonl").read_text() == '{"step": 4}\n'

@@ -63,7 +63,8 @@ def test_the_leaf_imports_nothing_of_ours():
 
 def test_architecture_map_names_every_module_and_only_those():
     text = (ROOT / "docs" / "architecture.md").read_text()
-    named = set(re.findall(r"`((?:%s)/[\w/]+\.py)`" % "|".join(LAYER_OF), text))
+    packages = "|".join(LAYER_OF)
+    named = set(re.findall(rf"`((?:{packages})/[\w/]+\.py)`", text))
     modules = {str(p.relative_to(ROOT)) for p in python_files() if p.name != "__init__.py"}
     assert not modules - named, f"docs/architecture.md does not name: {sorted(modules - named)}"
     assert not named - modules, f"docs/architecture.md names modules that do not exist: {sorted(named - modules)}"

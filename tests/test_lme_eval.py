@@ -50,9 +50,10 @@ def test_a_text_only_reader_counts_an_image_as_the_placeholder_it_is_given(smol_
 def test_eval_lme_runs_scores_and_resumes(dataset, tmp_path, capsys):
     out = tmp_path / "rag"
     args = ["eval", "lme", "--data", str(dataset), "--haystack", "small", "--memory", "rag", "--judge", "local",
-            "--questions", "3", "--local-max-new-tokens", "24", "--out", str(out)]
+            "--questions", "3", "--local-max-new-tokens", "24", "--out", str(out), "--api-key", "sk-never-written"]
     assert main(args) == 0
     printed = capsys.readouterr().out
+    assert not [p for p in out.rglob("*") if p.is_file() and b"sk-never-written" in p.read_bytes()]
     assert "small / rag: accuracy" in printed and "of 3 questions" in printed
     rows = rows_of(out)
     assert len(rows) == 3 and all(set(PER_QUESTION_FIELDS) <= set(r) for r in rows)

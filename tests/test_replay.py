@@ -6,14 +6,17 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import json
+import sqlite3
 
 import pytest
 
-from common.config import load_config
+from common.config import MemoryConfig, load_config
+from common.errors import MemexError
 from envs.alfworld import LOOK_REFUSAL, ModifiedAlfWorld
 from envs.data import resolve_game
 from memexrl.cli import replay
 from memory.tools import SUMMARY_HEADER, TRUNCATION_MARKER
+from rollout.runner import episode_stores
 
 
 def call(name: str, **arguments) -> str:
@@ -219,3 +222,28 @@ def test_context_penalty_grows_past_threshold(cfg, smol_tokenizer):
     assert out["reward"]["context"] == pytest.approx(min(1.0, sum(over) / (150 * len(over))))
     assert out["reward"]["context"] > 0
     assert "[WARNING: working context exceeds the threshold" in steps_of(out)[-1]["observation"]
+
+
+def test_sqlite_stores_never_leak_between_runs(cfg, smol_tokenizer, tmp_path):
+    game = str(resolve_game("valid_seen:1", cfg.env.data_dir))
+    db = tmp_path / "shared.sqlite"
+    sqlite = ["memory.backend=sqlite", f"memory.sqlite_path={db}"]
+    write = call("CompressExperience", summary="secret: kept", db_blocks=[{"db_index": "secret", "db_content": "42"}])
+    first = play(game, [write, call("ReadExperience", db_index="secret")], cfg, smol_tokenizer, sqlite)
+    assert first["steps"][1]["observation"].startswith("Retrieved [secret]")  # the same run reads its block
+    second = play(game, [call("ReadExperience", db_index="secret")], cfg, smol_tokenizer, sqlite)
+    assert "no block with index 'secret'" in second["steps"][0]["observation"]  # same episode id, another run
+    assert "42" not in second["steps"][0]["observation"]
+    with sqlite3.connect(db) as conn:  # the first run's block is kept, under that run's own id
+        namespaces = [row[0] for row in conn.execute("SELECT DISTINCT namespace FROM memex_blocks")]
+    assert len(namespaces) == 1 and namespaces[0].endswith("/replay")
+
+
+def test_sqlite_store_defaults_into_the_run_directory(tmp_path):
+    stores = episode_stores(MemoryConfig(backend="sqlite"), tmp_path / "run")
+    store = stores("eval-0")
+    store.write("a", "x", step=0)
+    store.close()
+    assert (tmp_path / "run" / "memory.sqlite").is_file()
+    with pytest.raises(MemexError, match="memory.sqlite_path"):
+        episode_stores(MemoryConfig(backend="sqlite"), None)

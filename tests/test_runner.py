@@ -63,7 +63,7 @@ def test_crashed_worker_fails_only_its_episode_with_reason(setup):
     with EnvPool(2) as pool:
         engine = KillingEngine(tok, {"a": SCRIPT, "b": SCRIPT}, pool, victim="a")
         a, b = run_episodes(jobs, engine, pool, make_renderer(tok, cfg), cfg)
-        assert a.end_reason == "env_crash" and not a.success and "died" in a.error
+        assert a.end_reason == "crash" and a.crashed and not a.success and "died" in a.error
         assert a.to_json()["error"] == a.error
         assert a.reward == {}  # the agent loop never scores: the caller does, once (rewards.score_trajectories)
         assert b.end_reason == "script_exhausted" and len(b.steps) == len(SCRIPT)

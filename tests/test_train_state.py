@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -10,10 +11,16 @@ import torch
 
 from common.errors import MemexError
 from training.state import (
+    MANIFEST_FILE,
+    STATE_FILE,
     TaskSampler,
+    checkpoint_problem,
+    clear_run,
     find_checkpoint,
     load_checkpoint,
     newest_checkpoint,
+    previous_run,
+    refuse_to_mix,
     save_checkpoint,
     task_pool,
     trim_metrics,
@@ -114,3 +121,53 @@ def test_trim_metrics_drops_steps_past_the_checkpoint(tmp_path):
     f.write_text("".join(f'{{"step": {s}, "loss": 0}}\n' for s in (1, 2, 3, 4)))
     trim_metrics(f, 2)
     assert f.read_text().splitlines() == ['{"step": 1, "loss": 0}', '{"step": 2, "loss": 0}']
+
+
+def test_a_torn_last_metrics_line_is_dropped_and_a_bad_middle_line_named(tmp_path, caplog):
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"step": 1, "loss": 0}\n{"step": 2, "loss": 0}\n{"step": 3, "lo')  # the crash came mid-write
+    trim_metrics(f, 5)
+    assert f.read_text().splitlines() == ['{"step": 1, "loss": 0}', '{"step": 2, "loss": 0}']
+    assert "torn last line 3" in caplog.text
+    f.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(MemexError, match=r"metrics.jsonl:2 is not a metrics record"):
+        trim_metrics(f, 5)
+    assert f.read_text() == '{"step": 1}\nnot json\n{"step": 2}\n'  # left as it was
+
+
+def test_resume_takes_the_newest_checkpoint_that_verifies_and_says_why(tmp_path, caplog):
+    opt, sched = _optimizer()
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, lambda d: (d / "adapter_model.safetensors").write_bytes(b"w" * 1000),
+                        opt, sched, {})
+    newest = tmp_path / "checkpoints" / "step-2"
+    manifest = json.loads((newest / MANIFEST_FILE).read_text())["files"]
+    assert {"adapter_model.safetensors", "optimizer.pt", STATE_FILE} <= manifest.keys()
+    assert checkpoint_problem(newest) is None
+    with open(newest / "adapter_model.safetensors", "r+b") as f:  # a disk that cut the adapter
+        f.truncate(400)
+    assert "adapter_model.safetensors has 400 bytes" in checkpoint_problem(newest)
+    assert find_checkpoint(tmp_path, "latest").name == "step-1"
+    assert "skipping checkpoint" in caplog.text and "step-2" in caplog.text
+    with pytest.raises(MemexError, match="damaged"):
+        find_checkpoint(tmp_path, str(newest))
+    scheduler = tmp_path / "checkpoints" / "step-1" / "scheduler.pt"
+    scheduler.write_bytes(b"x" * scheduler.stat().st_size)  # same size, other bytes: only the hash tells
+    assert checkpoint_problem(tmp_path / "checkpoints" / "step-1") is not None
+    with pytest.raises(MemexError, match="no checkpoint that verifies"):
+        find_checkpoint(tmp_path, "latest")
+
+
+def test_a_new_run_never_mixes_with_an_old_one(tmp_path):
+    run = tmp_path / "run"
+    opt, sched = _optimizer()
+    save_checkpoint(run, 4, lambda d: None, opt, sched, {})
+    (run / "metrics.jsonl").write_text('{"step": 4}\n')
+    (run / "config.yaml").write_text("kept: true\n")
+    assert previous_run(run) == ["step-4", "metrics.jsonl"]
+    with pytest.raises(MemexError, match="--resume.*--overwrite"):
+        refuse_to_mix(run, overwrite=False)
+    assert refuse_to_mix(run, overwrite=True)
+    clear_run(run)
+    assert previous_run(run) == [] and sorted(p.name for p in run.iterdir()) == ["config.yaml"]
+    assert not refuse_to_mix(tmp_path / "fresh", overwrite=False)

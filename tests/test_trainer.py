@@ -90,12 +90,16 @@ def test_run_directory_metrics_and_checkpoint(tiny_eos_model, tmp_path, alfworld
     assert not torch.allclose(model(ids).logits, start(ids).logits)
 
 
-def test_resume_continues_the_same_run(tiny_eos_model, tmp_path, alfworld_data, monkeypatch):
+def test_resume_continues_the_same_run(tiny_eos_model, tmp_path, alfworld_data, monkeypatch, capsys):
     monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_data))
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert run(overrides(tiny_eos_model, straight, **{"train.save_steps": 2})) == 0
     assert run(overrides(tiny_eos_model, resumed, **{"train.save_steps": 2, "train.steps": 2})) == 0
+    with open(resumed / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "succ')  # a crash mid-write of step 3's line
+    capsys.readouterr()
     assert run(["--resume", *overrides(tiny_eos_model, resumed, **{"train.save_steps": 2})]) == 0
+    assert f"resuming {resumed} from {resumed / 'checkpoints' / 'step-2'} (step 2)" in capsys.readouterr().out
     a, b = adapter(straight, 4), adapter(resumed, 4)
     assert a.keys() == b.keys()
     for key in a:

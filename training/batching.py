@@ -51,9 +51,17 @@ class MicroBatch:
 def advantages_for(
     trajs: list[Trajectory], groups: list[int], norm: str, eps: float
 ) -> tuple[list[float], list[bool]]:
-    """Per-trajectory advantages and which trajectories are kept (tie groups dropped)."""
+    """Per-trajectory advantages and which trajectories are kept (tie groups dropped).
+
+    A crashed trajectory (an env worker, engine or internal fault: `Trajectory.crashed`) is not a
+    failure of the policy: it is left out of its group (the group's mean and std are over the
+    others) and never trained on.
+    """
     rewards = torch.tensor([t.reward["total"] for t in trajs], dtype=torch.float32)
-    adv, keep = grpo.group_advantages(rewards, torch.tensor(groups), eps)
+    played = [i for i, t in enumerate(trajs) if not t.crashed]
+    adv, keep = torch.zeros_like(rewards), torch.zeros(len(trajs), dtype=torch.bool)
+    if played:
+        adv[played], keep[played] = grpo.group_advantages(rewards[played], torch.tensor(groups)[played], eps)
     if norm == "batch":
         # The release's fallback: normalise the segment returns of the kept trajectories together.
         seg_traj = [i for i, t in enumerate(trajs) if keep[i] for _ in t.segments]

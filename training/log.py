@@ -2,7 +2,7 @@
 
 metrics.jsonl, one object per rollout step (design.md "Run directory"):
   rollout   success_rate, reward_mean, penalty_context, penalty_redundancy, penalty_format,
-            num_steps, num_redundant
+            num_steps, num_redundant (means over played episodes), num_crashed (episodes lost to a fault)
   memory    peak_working_tokens, num_compress, num_read, num_segments (means per trajectory)
   loss      loss (aggregated objective), pg_loss, kl (k3 to the reference), approx_kl (to the rollout
             policy, CleanRL's), entropy, clip_frac, tis_clip_frac
@@ -38,7 +38,7 @@ WANDB_NAMES = {
     "entropy": "loss/entropy",
     "clip_frac": "loss/clip_frac", "tis_clip_frac": "loss/tis_clip_frac",
     "zero_std_group_frac": "loss/zero_std_group_frac", "grad_norm": "loss/grad_norm", "lr": "charts/lr",
-    "num_samples": "charts/num_samples", "num_updates": "charts/num_updates",
+    "num_crashed": "rollout/num_crashed", "num_samples": "charts/num_samples", "num_updates": "charts/num_updates",
     "rollout_s": "time/rollout_s", "train_s": "time/train_s",
 }
 
@@ -46,7 +46,8 @@ WANDB_NAMES = {
 def _per_trajectory(traj: Trajectory) -> list[float]:
     s, r = traj.stats, traj.reward
     return [float(traj.success), r["total"], r["context"], r["redundancy"], r["format"], s["num_steps"],
-            s["num_redundant"], s["peak_working_tokens"], s["num_compress"], s["num_read"], len(traj.segments)]
+            s["num_redundant"], s["peak_working_tokens"], s["num_compress"], s["num_read"], len(traj.segments),
+            float(traj.crashed)]
 
 
 _ROLLOUT_KEYS = ["success_rate", "reward_mean", "penalty_context", "penalty_redundancy", "penalty_format",
@@ -54,12 +55,19 @@ _ROLLOUT_KEYS = ["success_rate", "reward_mean", "penalty_context", "penalty_redu
 
 
 def rollout_metrics(trajs: list[Trajectory], accelerator=None) -> dict[str, float]:
-    """Means over every process's trajectories of the step (scored trajectories)."""
-    rows = torch.tensor([_per_trajectory(t) for t in trajs], dtype=torch.float64)  # (N, K)
+    """Means over every process's played trajectories of the step (scored), and how many crashed.
+
+    A crashed episode (`Trajectory.crashed`: an env worker, engine or internal fault) is counted in
+    `num_crashed` and left out of the means, as GRPO leaves it out of its group.
+    """
+    rows = torch.tensor([_per_trajectory(t) for t in trajs], dtype=torch.float64)
+    rows = rows.reshape(len(trajs), len(_ROLLOUT_KEYS) + 1)  # (N, K + 1): the last column is `crashed`
     if accelerator is not None and accelerator.num_processes > 1:
         rows = accelerator.gather(rows.to(accelerator.device)).cpu()
-    means = rows.mean(dim=0).tolist() if len(rows) else [0.0] * len(_ROLLOUT_KEYS)
-    return dict(zip(_ROLLOUT_KEYS, means))
+    crashed = rows[:, -1] > 0 if len(rows) else torch.zeros(0, dtype=torch.bool)
+    played = rows[~crashed, :-1]
+    means = played.mean(dim=0).tolist() if len(played) else [0.0] * len(_ROLLOUT_KEYS)
+    return {**dict(zip(_ROLLOUT_KEYS, means)), "num_crashed": int(crashed.sum())}
 
 
 def transcript(messages: list[dict], limit: int = 4000) -> str:

@@ -174,7 +174,12 @@ def load_policy_for_grpo(cfg: Config, resume_from: Path | None = None, export_ba
                 f"expert modules (e.g. {unservable[0]}), which vLLM cannot serve: use train.lora_target_modules=auto "
                 f"(modeling/lora.py) or name the attention projections")
         if resume_from is not None:
-            set_peft_model_state_dict(model, load_file(str(resume_from / "adapter_model.safetensors")))
+            adapter = resume_from / "adapter_model.safetensors"
+            try:
+                set_peft_model_state_dict(model, load_file(str(adapter)))
+            except Exception as exc:  # safetensors' error for a cut or garbled file, OSError for a missing one
+                raise MemexError(f"checkpoint {resume_from}: its adapter {adapter.name} does not load ({exc}); "
+                                 f"resume from another checkpoint (--resume-from)") from None
         if group:
             require_fake_quant(model, group, "the LoRA base")  # frozen; LoRA adds its delta outside it (path A)
         policy = Policy(model, tokenizer, finetune, source)

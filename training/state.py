@@ -5,7 +5,10 @@ plus the tokenizer), `optimizer.pt` and `scheduler.pt` (tensors and numbers only
 `weights_only=True`, never unpickling code), `rng.json` + `torch_rng.pt` (Python, numpy and
 torch generator states) and `trainer_state.json` (step, sampler position, where RL started).
 It is written into a temporary directory and renamed, so a crash leaves either the whole
-checkpoint or none (design.md "Run directory").
+checkpoint or none (design.md "Run directory"). Its last file is `manifest.json`: the size and
+SHA-256 of every other file. The files are fsync'ed before the rename and the directory after it
+(common/atomic.py), and a resume takes the newest checkpoint whose files still match their
+manifest, saying which one and why it skipped any newer one (a disk that lost or cut a file).
 
 Under DeepSpeed the optimizer is sharded over the processes: instead of `optimizer.pt`, every
 process writes its shard with the engine's `save_checkpoint` into `deepspeed/` of the same
@@ -17,7 +20,9 @@ checkpoints you wrote yourself.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import pickle  # only for its error type: checkpoints load with weights_only=True
 import random
@@ -29,9 +34,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.atomic import fsync_dir, fsync_tree, write_text_atomic
 from common.errors import MemexError
 
+log = logging.getLogger(__name__)
+
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"  # written last: {"files": {relative path: {"bytes", "sha256"}}}
 DEEPSPEED_DIR = "deepspeed"  # the engine's checkpoint (optimizer shards) inside step-N/, under DeepSpeed
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -133,11 +142,87 @@ def save_checkpoint(run_dir: Path, step: int, write_policy: Callable[[Path], Non
     return publish(tmp, final)
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+
+
+def write_manifest(root: Path) -> None:
+    """ROOT/manifest.json: size and SHA-256 of every file under `root` (written last)."""
+    files = {str(p.relative_to(root)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in _files(root)}
+    (root / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1))
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why checkpoint `path` cannot be trusted (a missing, cut or changed file), or None when it verifies.
+
+    A checkpoint without a manifest (written before manifests existed) is taken as it is, with a warning.
+    """
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())["files"]
+    except FileNotFoundError:
+        log.warning("checkpoint %s has no %s (an older MemexRL wrote it): not verified", path, MANIFEST_FILE)
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"its {MANIFEST_FILE} is unreadable ({exc})"
+    for name, expected in manifest.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != expected["bytes"]:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {expected['bytes']}"
+        if _sha256(file) != expected["sha256"]:
+            return f"{name} does not match its SHA-256 in the manifest"
+    return None
+
+
 def publish(tmp: Path, final: Path) -> Path:
-    """Put a fully written staging directory in place of `final` with one rename."""
+    """Put a fully written staging directory in place of `final` with one rename: manifest, fsync, rename."""
+    write_manifest(tmp)
+    fsync_tree(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    fsync_dir(final.parent)
     return final
+
+
+RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "rollouts", "plots", "wandb_id")  # what --overwrite removes
+
+
+def previous_run(run_dir: Path) -> list[str]:
+    """What an earlier run left in `run_dir` (checkpoints, metrics) that a new run would mix with."""
+    found = [p.name for p in sorted((Path(run_dir) / "checkpoints").glob("step-*")) if _STEP_DIR.match(p.name)]
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        found.append(metrics.name)
+    return found
+
+
+def refuse_to_mix(run_dir: Path, overwrite: bool) -> bool:
+    """Stop a new run in a directory holding another run, unless `overwrite`; True when it must be cleared."""
+    found = previous_run(run_dir)
+    if found and not overwrite:
+        raise MemexError(f"{run_dir} holds a run ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}): "
+                         f"continue it with --resume, start over with --overwrite (deletes its "
+                         f"{', '.join(RUN_ARTIFACTS)}), or set train.output_dir to a new directory")
+    return bool(found)
+
+
+def clear_run(run_dir: Path) -> None:
+    """Delete what a run left in `run_dir` (RUN_ARTIFACTS), for --overwrite."""
+    for name in RUN_ARTIFACTS:
+        path = Path(run_dir) / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
 
 
 def find_checkpoint(run_dir: Path, resume: str) -> Path:
@@ -147,19 +232,28 @@ def find_checkpoint(run_dir: Path, resume: str) -> Path:
         if not (path / STATE_FILE).is_file():
             raise MemexError(f"--resume {resume}: not a GRPO checkpoint (no {STATE_FILE}); "
                              f"pass a RUN/checkpoints/step-N directory or plain --resume")
+        problem = checkpoint_problem(path)
+        if problem:
+            raise MemexError(f"--resume {resume}: the checkpoint is damaged ({problem}); resume from another one")
         return path
     newest = newest_checkpoint(run_dir)
     if newest is None:
-        raise MemexError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}; "
+        raise MemexError(f"--resume: no checkpoint that verifies in {run_dir / 'checkpoints'}; "
                          f"start without --resume or set train.output_dir to the run to continue")
     return newest
 
 
 def newest_checkpoint(run_dir: Path) -> Path | None:
-    """RUN/checkpoints/step-N with the largest N (SFT and GRPO runs alike), or None."""
-    steps = [(int(m.group(1)), p) for p in (Path(run_dir) / "checkpoints").glob("step-*")
-             if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
-    return max(steps)[1] if steps else None
+    """RUN/checkpoints/step-N with the largest N whose files match its manifest (SFT and GRPO runs alike),
+    or None. A newer one that does not verify is skipped with a warning that says why."""
+    steps = sorted(((int(m.group(1)), p) for p in (Path(run_dir) / "checkpoints").glob("step-*")
+                    if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()), reverse=True)
+    for _, path in steps:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        log.warning("skipping checkpoint %s: %s", path, problem)
+    return None
 
 
 def load_checkpoint(path: Path, optimizer, scheduler) -> dict:
@@ -179,9 +273,25 @@ def load_checkpoint(path: Path, optimizer, scheduler) -> dict:
 
 
 def trim_metrics(metrics_file: Path, last_step: int) -> None:
-    """Drop metrics lines past the resumed step, so a resumed run's log has each step once."""
+    """Drop metrics lines past the resumed step, so a resumed run's log has each step once.
+
+    A torn last line (the crash came mid-write) is dropped with a warning; a bad line before it
+    stops with its line number. The trimmed file replaces the old one atomically.
+    """
     if not metrics_file.is_file():
         return
-    keep = [line for line in metrics_file.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= last_step]
-    metrics_file.write_text("".join(line + "\n" for line in keep))
+    lines = [(n, line) for n, line in enumerate(metrics_file.read_text(errors="replace").splitlines(), 1)
+             if line.strip()]
+    keep = []
+    for position, (n, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+            step = int(record.get("step", 0))
+        except (ValueError, TypeError, AttributeError) as exc:
+            if position == len(lines) - 1:
+                log.warning("%s: dropping its torn last line %d (%s)", metrics_file, n, exc)
+                continue
+            raise MemexError(f"{metrics_file}:{n} is not a metrics record ({exc}); fix or delete that line") from exc
+        if step <= last_step:
+            keep.append(line)
+    write_text_atomic(metrics_file, "".join(line + "\n" for line in keep))

@@ -54,8 +54,10 @@ from training.policy import Policy, load_policy_for_grpo
 from training.state import (
     DEEPSPEED_DIR,
     TaskSampler,
+    clear_run,
     find_checkpoint,
     load_checkpoint,
+    refuse_to_mix,
     save_checkpoint,
     staging_dir,
     task_pool,
@@ -108,7 +110,8 @@ def rollout(step: int, games: list[str], engine, policy: Policy, envs, cfg: Conf
     groups = [k for k in range(len(games)) for _ in range(cfg.train.group_size)]
     policy.model.eval()
     with torch.no_grad():
-        trajs = run_episodes(jobs, engine, envs, make_renderer(policy.tokenizer, cfg), cfg, progress=rank == 0)
+        trajs = run_episodes(jobs, engine, envs, make_renderer(policy.tokenizer, cfg), cfg, progress=rank == 0,
+                             run_dir=cfg.train.output_dir)
     return trajs, groups
 
 
@@ -181,7 +184,7 @@ def minibatches(n_items: int, n_updates: int, seed: int, step: int) -> list[list
 class Trainer:
     """Holds what lives across steps: accelerator, policy, optimizer, scheduler, sampler, logger."""
 
-    def __init__(self, cfg: Config, resume: str | None = None):
+    def __init__(self, cfg: Config, resume: str | None = None, overwrite: bool = False):
         self.cfg = cfg
         t = cfg.train
         self.run_dir = Path(t.output_dir)
@@ -192,6 +195,10 @@ class Trainer:
             raise MemexError(f"train.tasks_per_step ({t.tasks_per_step}) and train.global_batch_size "
                              f"({t.global_batch_size}) must be multiples of the {world} processes")
         checkpoint = find_checkpoint(self.run_dir, resume) if resume else None
+        if checkpoint is None and refuse_to_mix(self.run_dir, overwrite):
+            if self.accelerator.is_main_process:
+                clear_run(self.run_dir)
+            self.accelerator.wait_for_everyone()
         seed_everything(cfg.seed)
         self.sampler = TaskSampler(task_pool(t.split, t.num_games, t.game_order, cfg.env.data_dir, t.task_types), cfg.seed)
         export = self.run_dir / "base" if cfg.rollout.engine == "vllm" and not cfg.rollout.vllm_model else None
@@ -214,7 +221,7 @@ class Trainer:
             self.sampler.load_state_dict(state["sampler"])
             self.start_step = int(state["step"])
             trim_metrics(self.run_dir / "metrics.jsonl", self.start_step)
-            log.info("resumed from %s at step %d", checkpoint, self.start_step)
+            self.accelerator.print(f"resuming {self.run_dir} from {checkpoint} (step {self.start_step})")
         self.logger = RunLogger(cfg, self.run_dir, fresh=checkpoint is None,
                                 main=self.accelerator.is_main_process)
 
@@ -264,9 +271,8 @@ class Trainer:
             params=self.policy.trainable_parameters()))
 
     def prepare_samples(self, trajs, groups, step: int, metrics: dict) -> tuple[list[list], list[float]]:
-        """Score, advantages, segments -> per-update SegmentSample lists (with old/ref log-probs), advantages."""
+        """Scored trajectories -> advantages, segments -> per-update SegmentSample lists (with old/ref log-probs)."""
         t = self.cfg.train
-        score_trajectories(trajs, self.cfg.memory.threshold, self.cfg.reward)
         advantages, keep = advantages_for(trajs, groups, t.advantage_norm, t.adv_eps)
         n_groups = len(set(groups))
         metrics["zero_std_group_frac"] = 1.0 - len({g for g, k in zip(groups, keep) if k}) / max(1, n_groups)
@@ -321,13 +327,17 @@ class Trainer:
                 metrics["rollout_s"] = time.perf_counter() - t0
                 t1 = time.perf_counter()
                 engine.sleep()  # a colocated vLLM hands its GPU memory to the update
+                score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
+                metrics.update(rollout_metrics(trajs, acc))  # gathered: every process sees the same counts
+                if metrics["num_crashed"] == t.tasks_per_step * t.group_size:
+                    raise MemexError(f"step {step}: every episode crashed, so there is nothing to train on; the first "
+                                     f"one: {trajs[0].error if trajs else 'on another process'}")
                 per_update, advantages = self.prepare_samples(trajs, groups, step, metrics)
                 self.update(per_update, metrics)
                 release_cached_memory()  # before vLLM takes its weights and KV cache back
                 engine.wake_up()
                 engine.sync_weights(acc.unwrap_model(self.model))  # an external engine (vLLM) gets the weights here
                 metrics["train_s"] = time.perf_counter() - t1
-                metrics.update(rollout_metrics(trajs, acc))
                 self.logger.log_step(metrics, trajs, advantages)
                 if step % t.save_steps == 0 or step == t.steps:
                     last = self.save(step)
@@ -365,9 +375,10 @@ class Trainer:
         return path
 
 
-def train(cfg: Config, resume: str | None = None) -> Path:
-    """Run (or resume) GRPO; returns the last checkpoint directory."""
-    trainer = Trainer(cfg, resume)
+def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> Path:
+    """Run (or resume) GRPO; returns the last checkpoint directory. A new run refuses a directory that holds
+    another run unless `overwrite` (which deletes it first)."""
+    trainer = Trainer(cfg, resume, overwrite)
     out = trainer.train()
     log.info("training done: %s", json.dumps({"run_dir": str(trainer.run_dir), "checkpoint": str(out)}))
     return out

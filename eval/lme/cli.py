@@ -6,13 +6,16 @@ import argparse
 import json
 from pathlib import Path
 
+from common.argtypes import non_negative_int, positive_int
 from common.errors import MemexError
 
+API_KEY_HELP = "key of the OpenAI-compatible endpoints (default: $OPENAI_API_KEY; never written anywhere)"
 
-def _chat(spec: str | None, model: str, sampling: dict | None, max_new_tokens: int):
+
+def _chat(spec: str | None, model: str, sampling: dict | None, max_new_tokens: int, api_key: str = ""):
     from eval.lme.llm import make_chat
 
-    return make_chat(spec, model, sampling, max_new_tokens) if spec else None
+    return make_chat(spec, model, sampling, max_new_tokens, api_key) if spec else None
 
 
 def cmd_lme_synth(args: argparse.Namespace) -> None:
@@ -25,7 +28,7 @@ def cmd_lme_score(args: argparse.Namespace) -> None:
     from eval.lme.llm import JUDGE_SAMPLING
     from eval.lme.scoring import score_command
 
-    judge = _chat(args.judge, args.judge_model, JUDGE_SAMPLING, 256)
+    judge = _chat(args.judge, args.judge_model, JUDGE_SAMPLING, 256, args.api_key)
     print(score_command(args.eval_function, args.answer, args.prediction, judge, question=args.question))
 
 
@@ -57,12 +60,12 @@ def memory_options(args: argparse.Namespace, reader):
     from eval.lme.memory.base import MemoryOptions
 
     llm = _chat(args.memory_llm, args.memory_llm_model, {"temperature": 0.0, "max_tokens": 1024, "thinking": False},
-                args.local_max_new_tokens) if args.memory_llm else reader
+                args.local_max_new_tokens, args.api_key) if args.memory_llm else reader
     extra = module_settings(args.set or [], "--set")
     if args.memory == "memex":
         extra.setdefault("config", load_config(args.config, list(args.overrides)))
         extra.setdefault("checkpoint", args.checkpoint or extra["config"].eval.checkpoint)
-    options = MemoryOptions(root=Path(args.data), llm=llm, controller=llm, extra=extra)
+    options = MemoryOptions(root=Path(args.data), llm=llm, controller=llm, extra=extra, api_key=args.api_key)
     if args.embedder:
         options.embedder = args.embedder
     return options
@@ -79,8 +82,8 @@ def cmd_eval_lme(args: argparse.Namespace) -> None:
     load_lme(args.data).haystack(args.haystack)
     local = args.reader.startswith("local")
     max_new = args.reader_max_tokens or (args.local_max_new_tokens if local else READER_SAMPLING["max_tokens"])
-    reader = _chat(args.reader, args.reader_model, {**READER_SAMPLING, "max_tokens": max_new}, max_new)
-    judge = _chat(args.judge, args.judge_model, JUDGE_SAMPLING, 256)
+    reader = _chat(args.reader, args.reader_model, {**READER_SAMPLING, "max_tokens": max_new}, max_new, args.api_key)
+    judge = _chat(args.judge, args.judge_model, JUDGE_SAMPLING, 256, args.api_key)
     counter = None
     if isinstance(reader, LocalChat):
         counter = ContextCounter.text_only(reader.tokenizer)
@@ -103,10 +106,10 @@ def add_lme_commands(sub, eval_sub) -> None:
     lme_sub = lme.add_subparsers(dest="lme_command", required=True)
     syn = lme_sub.add_parser("synth", help="a small LME-V2 data set in the real schema")
     syn.add_argument("--out", required=True, help="new dataset root")
-    syn.add_argument("--seed", type=int, default=0)
-    syn.add_argument("--small", type=int, default=24, help="trajectories in the small haystack")
-    syn.add_argument("--medium", type=int, default=60, help="trajectories in the medium haystack")
-    syn.add_argument("--per-type", type=int, default=3, help="questions per question type")
+    syn.add_argument("--seed", type=non_negative_int, default=0)
+    syn.add_argument("--small", type=positive_int, default=24, help="trajectories in the small haystack")
+    syn.add_argument("--medium", type=positive_int, default=60, help="trajectories in the medium haystack")
+    syn.add_argument("--per-type", type=positive_int, default=3, help="questions per question type")
     syn.set_defaults(func=cmd_lme_synth)
     sco = lme_sub.add_parser("score", help="score one prediction with an eval_function spec: prints 1 or 0")
     sco.add_argument("--eval-function", required=True, help="e.g. 'norm_phrase_set_match|separators=;'")
@@ -115,6 +118,7 @@ def add_lme_commands(sub, eval_sub) -> None:
     sco.add_argument("--question", default="", help="the question (LLM-judged specs)")
     sco.add_argument("--judge", default=None, help="judge LLM for llm_* specs: URL, local or local:PATH")
     sco.add_argument("--judge-model", default="", help="model name at the judge URL")
+    sco.add_argument("--api-key", default="", help=API_KEY_HELP)
     sco.set_defaults(func=cmd_lme_score)
     laf = lme_sub.add_parser("lafs", help="latency-aware score (LAFS) with the reference points")
     laf.add_argument("result_dirs", nargs="*", help="`eval lme` output directories (their accuracy and latency)")
@@ -129,18 +133,19 @@ def add_lme_commands(sub, eval_sub) -> None:
     ev.add_argument("--reader", default="local", help="OpenAI-compatible URL, local (SmolLM2) or local:PATH")
     ev.add_argument("--reader-model", default="", help="model name at the reader URL (default: the server's)")
     ev.add_argument("--reader-tokenizer", default="", help="tokenizer for the 200K budget (default: reader model)")
-    ev.add_argument("--reader-max-tokens", type=int, default=0, help="answer tokens (default: 20000; local 128)")
-    ev.add_argument("--local-max-new-tokens", type=int, default=128, help="generation cap of local LLMs")
+    ev.add_argument("--reader-max-tokens", type=non_negative_int, default=0, help="answer tokens (default: 20000; local 128)")
+    ev.add_argument("--local-max-new-tokens", type=positive_int, default=128, help="generation cap of local LLMs")
     ev.add_argument("--judge", default=None, help="judge LLM for the llm_* eval functions: URL, local, local:PATH")
     ev.add_argument("--judge-model", default="")
+    ev.add_argument("--api-key", default="", help=API_KEY_HELP)
     ev.add_argument("--memory-llm", default=None, help="LLM writing notes/events/controller (default: the reader)")
     ev.add_argument("--memory-llm-model", default="")
     ev.add_argument("--embedder", default="", help="sentence-transformers name/path or embeddings URL")
     ev.add_argument("--checkpoint", default=None, help="memex: the controller policy (checkpoint, run dir, model)")
     ev.add_argument("--config", default=None, help="memex: the policy's memexrl YAML config")
     ev.add_argument("--set", action="append", help="module setting key=value (e.g. max_reads=3)")
-    ev.add_argument("--questions", type=int, default=0, help="only the first N questions")
-    ev.add_argument("--max-context-tokens", type=int, default=200_000, help="reader memory budget")
+    ev.add_argument("--questions", type=non_negative_int, default=0, help="only the first N questions")
+    ev.add_argument("--max-context-tokens", type=positive_int, default=200_000, help="reader memory budget")
     ev.add_argument("--out", default=None, help="output directory (default runs/lme-MEMORY-HAYSTACK)")
     ev.add_argument("overrides", nargs="*", help="memex: config overrides, section.key=value")
     ev.set_defaults(func=cmd_eval_lme)

@@ -22,12 +22,12 @@ or the server's first model), `local` (SmolLM2), or `local:PATH` (a checkpoint).
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from common.errors import MemexError
+from eval.lme import endpoint
 
 log = logging.getLogger(__name__)
 
@@ -72,46 +72,37 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 @dataclass
 class OpenAIChat:
-    """An OpenAI-compatible chat endpoint (vLLM, or any provider); retries transient errors."""
+    """An OpenAI-compatible chat endpoint (vLLM, or any provider): timeouts and retries of eval/lme/endpoint.py."""
 
     base_url: str
     model: str = ""
     sampling: dict = field(default_factory=lambda: dict(READER_SAMPLING))
-    api_key: str = "EMPTY"
-    timeout_s: float = 3600.0
-    retries: int = 5
+    api_key: str = field(default="", repr=False)  # "": $OPENAI_API_KEY (endpoint.api_key); never logged
+    read_timeout_s: float = endpoint.READ_TIMEOUT_S
+    attempts: int = endpoint.ATTEMPTS
     last_usage: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from openai import OpenAI
-
-        self.client = OpenAI(base_url=self.base_url.rstrip("/"), api_key=self.api_key, timeout=self.timeout_s)
+        self.client = endpoint.client(self.base_url, self.api_key, self.read_timeout_s)
         if not self.model:
-            try:
-                self.model = self.client.models.list().data[0].id
-            except Exception as exc:  # the endpoint is down or names no model
-                raise MemexError(f"cannot list the models of {self.base_url} ({exc}); is the server up? "
-                                 "Or name the model explicitly") from None
+            models = endpoint.call("chat endpoint", self.base_url, lambda: self.client.models.list().data,
+                                   self.attempts)
+            if not models:
+                raise MemexError(f"the chat endpoint {self.base_url} serves no model; name one explicitly")
+            self.model = models[0].id
 
     def complete(self, messages: list[dict]) -> str:
         s = dict(self.sampling)
         extra = {"chat_template_kwargs": {"enable_thinking": bool(s.pop("thinking", False))}}
         if "top_k" in s:
             extra["top_k"] = s.pop("top_k")
-        for attempt in range(self.retries):
-            try:
-                reply = self.client.chat.completions.create(model=self.model, messages=for_endpoint(messages),
-                                                            extra_body=extra, **s)
-                u = reply.usage
-                self.last_usage = usage(u.prompt_tokens, u.completion_tokens) if u is not None else {}
-                message = reply.choices[0].message  # the answer; else (all tokens spent thinking) the reasoning
-                return (message.content or getattr(message, "reasoning_content", None)
-                        or getattr(message, "reasoning", None) or "").strip()
-            except Exception as exc:  # openai.APIError and connection errors: back off, then give up clearly
-                if attempt == self.retries - 1:
-                    raise MemexError(f"the chat endpoint {self.base_url} failed {self.retries} times: {exc}") from None
-                time.sleep(min(30.0, 2.0**attempt))
-        return ""
+        reply = endpoint.call("chat endpoint", self.base_url, lambda: self.client.chat.completions.create(
+            model=self.model, messages=for_endpoint(messages), extra_body=extra, **s), self.attempts)
+        u = reply.usage
+        self.last_usage = usage(u.prompt_tokens, u.completion_tokens) if u is not None else {}
+        message = reply.choices[0].message  # the answer; else (all tokens spent thinking) the reasoning
+        return (message.content or getattr(message, "reasoning_content", None)
+                or getattr(message, "reasoning", None) or "").strip()
 
 
 class LocalChat:
@@ -151,10 +142,12 @@ class LocalChat:
         return self.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).strip()
 
 
-def make_chat(spec: str, model: str = "", sampling: dict | None = None, max_new_tokens: int = 256) -> ChatLLM:
-    """`http(s)://...` -> OpenAIChat; `local` -> SmolLM2 here; `local:PATH` -> that checkpoint here."""
+def make_chat(spec: str, model: str = "", sampling: dict | None = None, max_new_tokens: int = 256,
+              api_key: str = "") -> ChatLLM:
+    """`http(s)://...` -> OpenAIChat (key: `api_key`, else $OPENAI_API_KEY); `local` -> SmolLM2 here;
+    `local:PATH` -> that checkpoint here."""
     if spec.startswith(("http://", "https://")):
-        return OpenAIChat(spec, model, dict(sampling or READER_SAMPLING))
+        return OpenAIChat(spec, model, dict(sampling or READER_SAMPLING), api_key)
     if spec == "local" or spec.startswith("local:"):
         name = spec.partition(":")[2] or model or "smollm2-135m"
         temperature = float((sampling or {}).get("temperature", 0.0))

@@ -68,6 +68,7 @@ class MemoryOptions:
     slice_text_chars: int = 40000  # cap on a slice's embedded text (the real module's pre-token cap)
     embed_batch: int = 64  # texts per embedding call
     extra: dict[str, Any] = field(default_factory=dict)  # module-specific settings (each module lists its own)
+    api_key: str = field(default="", repr=False)  # of the embeddings endpoint ("": $OPENAI_API_KEY); never saved
 
     def __post_init__(self) -> None:
         if self.controller is None:

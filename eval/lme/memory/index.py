@@ -9,7 +9,8 @@ from the public `agentrunbook_r.py`); here `options.embedder` is either
   query instruction; note that it reads only the first 256 word pieces of a text), or
 - an `http(s)://` URL of an OpenAI-compatible embeddings endpoint, through the `openai` client;
   `options.extra`: `embedding_model` (default the paper's Qwen/Qwen3-Embedding-8B),
-  `embedding_query_instruction` (default the paper's), `embedding_api_key` (default "EMPTY").
+  `embedding_query_instruction` (default the paper's), the key is `MemoryOptions.api_key`
+  (`--api-key`, else $OPENAI_API_KEY).
 
 `EmbeddingIndex` holds payloads and their vectors; texts are queued at `add` and embedded in
 batches (when enough are queued, and at `flush`), and dropped once embedded: only payloads and
@@ -24,6 +25,7 @@ import numpy as np
 
 from common.errors import MemexError
 from eval.embeddings import embed, top_k
+from eval.lme import endpoint
 
 from .base import Memory, MemoryOptions
 from .slices import Hit, simplify, truncate_middle
@@ -41,7 +43,7 @@ class Embedder:
     """Unit-norm float32 embeddings of documents and queries, from a local model or an endpoint."""
 
     def __init__(self, spec: str, model: str = "", query_instruction: str = "", batch: int = 64,
-                 max_chars: int = 40000, api_key: str = "EMPTY"):
+                 max_chars: int = 40000, api_key: str = ""):
         self.spec, self.batch, self.max_chars = spec, batch, max_chars
         self.remote = spec.startswith(("http://", "https://"))
         self.model = (model or PAPER_EMBEDDING_MODEL) if self.remote else ""
@@ -56,13 +58,9 @@ class Embedder:
 
     def _embed_remote(self, texts: list[str]) -> np.ndarray:
         if self._client is None:
-            from openai import OpenAI
-
-            self._client = OpenAI(base_url=self.spec.rstrip("/"), api_key=self.api_key)
-        try:
-            reply = self._client.embeddings.create(model=self.model, input=texts)
-        except Exception as exc:  # openai errors, connection errors
-            raise MemexError(f"the embedding endpoint {self.spec} (model {self.model}) failed: {exc}; is it up?") from None
+            self._client = endpoint.client(self.spec, self.api_key, read_timeout_s=120.0)
+        reply = endpoint.call(f"embedding endpoint (model {self.model})", self.spec,
+                              lambda: self._client.embeddings.create(model=self.model, input=texts))
         vectors = np.asarray([d.embedding for d in reply.data], dtype=np.float32)
         norms = np.linalg.norm(vectors, axis=1, keepdims=True)
         return vectors / np.where(norms == 0, 1.0, norms)
@@ -85,7 +83,7 @@ class Embedder:
 def make_embedder(options: MemoryOptions) -> Embedder:
     x = options.extra
     return Embedder(options.embedder, x.get("embedding_model", ""), x.get("embedding_query_instruction", ""),
-                    options.embed_batch, options.slice_text_chars, x.get("embedding_api_key", "EMPTY"))
+                    options.embed_batch, options.slice_text_chars, options.api_key)
 
 
 class EmbeddingIndex:
