@@ -40,6 +40,10 @@ class ModelConfig:
         "smollm2-135m",
     )
     dtype: str = _help("Torch dtype of the policy weights: float32, bfloat16 or float16.", "float32")
+    thinking: str = _help(
+        "'auto' (the chat template opens <think> in the prompt, as Qwen3 thinking models' do: a reply is "
+        "reasoning, </think>, answer, and the tool call is read after the last </think>), 'always' or 'never'.",
+        "auto")
     device: str = _help("'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'.", "auto")
     cache_dir: str = _help(
         "Where converted models are cached ($MEMEXRL_CACHE or ~/.cache/memexrl).", ""
@@ -230,14 +234,18 @@ class TrainSection:
         "group",
     )
     loss_agg: str = _help(
-        "'trajectory': each trajectory weighs the same whatever its segment count (memex.md); "
-        "'token': mean over all trained tokens.",
+        "'trajectory': each trajectory weighs the same whatever its segment count (the paper, memex.md); "
+        "'segment': each segment's token mean, averaged over the segments of the minibatch (what the release's "
+        "slime runs: a trajectory with more segments weighs more); 'token': mean over all trained tokens.",
         "trajectory",
     )
     clip_low: float = _help("PPO clip below 1 (release: 0.2).", 0.2)
     clip_high: float = _help("PPO clip above 1 (release: 0.28).", 0.28)
     tis_cap: float = _help("Truncated importance sampling cap on exp(trainer - rollout log-prob) (2.0; 0: off).", 2.0)
     kl_coef: float = _help("k3 KL to the reference policy (release: 0.001).", 0.001)
+    kl_clamp: float = _help(
+        "Clamp each token's k3 KL term to [-kl_clamp, kl_clamp] (the release's slime, like verl's low_var_kl: 10). "
+        "0: off; the paper gives no clamp.", 0.0)
     entropy_coef: float = _help("Entropy bonus (release: 0.002).", 0.002)
     adv_eps: float = _help("eps in the advantage denominator.", 1e-6)
     learning_rate: float = _help("Adam learning rate (release: 5e-6).", 5e-6)
@@ -356,6 +364,7 @@ class Config:
             (self.memory.summary_max_tokens > 0, "memory.summary_max_tokens must be > 0"),
             (self.memory.summary_cap_mode in ("tokens", "chars"), "memory.summary_cap_mode must be 'tokens' or 'chars'"),
             (self.memory.backend in ("memory", "sqlite"), "memory.backend must be 'memory' or 'sqlite'"),
+            (self.model.thinking in ("auto", "always", "never"), "model.thinking must be auto, always or never"),
             (self.env.max_steps > 0, "env.max_steps must be > 0"),
             (self.env.num_workers > 0, "env.num_workers must be > 0"),
             (self.rollout.engine in ("transformers", "scripted", "vllm"), "rollout.engine must be transformers, scripted or vllm"),
@@ -390,7 +399,8 @@ class Config:
              f"train.global_batch_size ({self.train.global_batch_size}) must divide the rollout batch "
              f"tasks_per_step x group_size = {self.train.tasks_per_step * self.train.group_size}"),
             (self.train.advantage_norm in ("group", "batch"), "train.advantage_norm must be 'group' or 'batch'"),
-            (self.train.loss_agg in ("trajectory", "token"), "train.loss_agg must be 'trajectory' or 'token'"),
+            (self.train.loss_agg in ("trajectory", "segment", "token"),
+             "train.loss_agg must be 'trajectory', 'segment' or 'token'"),
             (self.train.finetune in ("full", "lora", "qlora"), "train.finetune must be full, lora or qlora"),
             (self.train.lr_scheduler in ("constant", "cosine"), "train.lr_scheduler must be constant or cosine"),
             (self.train.mixed_precision in ("no", "bf16", "fp16"), "train.mixed_precision must be no, bf16 or fp16"),

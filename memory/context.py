@@ -26,9 +26,13 @@ class ChatRenderer:
 
     `tools` are passed to `apply_chat_template(tools=...)` only when the template uses them;
     otherwise the caller renders the schemas into the system prompt (see prompts.py).
+    `thinking`: the template opens <think> in the generation prompt (Qwen3 thinking models), so a
+    reply is reasoning, </think>, then the answer (memory/parsing.py `answer_part`); None finds out
+    by rendering a one-message chat.
     """
 
-    def __init__(self, tokenizer: Any, tools: list[dict] | None = None, observation_role: str = "tool"):
+    def __init__(self, tokenizer: Any, tools: list[dict] | None = None, observation_role: str = "tool",
+                 thinking: bool | None = None):
         self.tokenizer = tokenizer
         template = tokenizer.chat_template or ""
         self.template_has_tools = "tools" in template
@@ -36,6 +40,12 @@ class ChatRenderer:
         self.observation_role = observation_role
         self.eos_text = tokenizer.eos_token or ""
         self.eos_token_id = tokenizer.eos_token_id
+        self.thinking = self.opens_think() if thinking is None else thinking
+
+    def opens_think(self) -> bool:
+        """Whether the generation prompt ends inside an open <think> block."""
+        prompt = self.render([{"role": "user", "content": "?"}])
+        return prompt.rstrip().endswith("<think>")
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -25,6 +25,7 @@ from typing import Any
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 _THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_ARGUMENT_DEPTH = 8  # lists / objects inside the call; the tools need 3 (call -> db_blocks -> block)
 QUOTE_CHARS = 60  # at most this much of an agent-written value is repeated in an error observation
@@ -179,16 +180,28 @@ def _malformed(message: str) -> ParsedCall:
     return ParsedCall(kind="malformed", error=f"Format error: {message}. Use exactly: {CALL_EXAMPLE}")
 
 
-def parse_tool_call(text: str, tools: tuple[str, ...] | None = None, optional: tuple[str, ...] = ()) -> ParsedCall:
+def answer_part(text: str, thinking: bool = False) -> str:
+    """The part of a reply that can hold the tool call: without <think>...</think> blocks; with
+    `thinking` (a chat template that opens <think> in the prompt, as Qwen3 thinking models' do, so the
+    reply is reasoning, </think>, answer) only the text after the last </think> ('' while it still thinks)."""
+    if thinking:
+        head, sep, tail = text.rpartition(THINK_CLOSE)
+        return tail if sep else ""
+    return _THINK_RE.sub("", text)
+
+
+def parse_tool_call(text: str, tools: tuple[str, ...] | None = None, optional: tuple[str, ...] = (),
+                    thinking: bool = False) -> ParsedCall:
     """Parse one assistant reply into a tool call.
 
     `tools` restricts the accepted tool names (e.g. baselines without memory tools);
     None accepts all four. `optional` names arguments that are not required here (the
-    compress-only baseline's CompressExperience has no db_blocks). Thinking blocks
-    (<think>...</think>) are ignored.
+    compress-only baseline's CompressExperience has no db_blocks). Reasoning is ignored:
+    <think>...</think> blocks, or with `thinking` everything up to the last </think>
+    (`answer_part`), so a <tool_call> the model mentions while reasoning is not a call.
     """
     allowed = tuple(_ARGUMENTS) if tools is None else tools
-    visible = _THINK_RE.sub("", text)
+    visible = answer_part(text, thinking)
     n_open = visible.count(OPEN_TAG)
     n_close = visible.count(CLOSE_TAG)
     if n_open == 0:

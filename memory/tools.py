@@ -77,7 +77,12 @@ def _blocks_from_arguments(raw: Any, context_text: str, summary: str) -> list[Bl
         content = block.get("db_content")
         if content is not None and not isinstance(content, str):
             return f"block {quote(index)}: db_content must be a string"
+        if content and not content.strip():  # the release rejects it too: nothing to archive
+            return f"block {quote(index)}: db_content is only whitespace; archive the evidence itself"
         given = [a for a in _ANCHORS if block.get(a) not in (None, "")]
+        blank = [a for a in given if isinstance(block[a], str) and not block[a].strip()]
+        if blank:  # a whitespace anchor matches any gap and would store a single space (the release rejects it)
+            return f"block {quote(index)}: {', '.join(blank)} must not be only whitespace; copy distinctive text from the context"
         if given and len(given) < 3:
             missing = ", ".join(a for a in _ANCHORS if a not in given)
             return f"block {quote(index)}: anchor mode needs all three anchors; missing {missing}"

@@ -26,6 +26,7 @@ from memory.parsing import (
     FINISH,
     NO_CALL_MESSAGE,
     READ,
+    answer_part,
     parse_tool_call,
 )
 from memory.prompts import system_prompt, task_message
@@ -107,9 +108,9 @@ class Episode:
         self.context.add_assistant(
             completion.text, completion.token_ids, completion.logprobs, step, trained=completion.trained
         )
-        parsed = parse_tool_call(completion.text, self.tools, self.agent.optional_arguments)
+        parsed = parse_tool_call(completion.text, self.tools, self.agent.optional_arguments, self.renderer.thinking)
         if self.agent.chain:
-            self._chain.append(state_summary(completion.text))
+            self._chain.append(state_summary(answer_part(completion.text, self.renderer.thinking)))
         record = Step(
             assistant=completion.text,
             tool=parsed.name,

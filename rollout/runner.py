@@ -76,7 +76,8 @@ def open_envs(cfg: Config, num_workers: int | None = None) -> Envs:
 
 
 def make_renderer(tokenizer, cfg: Config, agent: AgentSpec = MEMEX_AGENT) -> ChatRenderer:
-    return ChatRenderer(tokenizer, tool_schemas(agent.tools, agent.store), cfg.rollout.observation_role)
+    thinking = {"auto": None, "always": True, "never": False}[cfg.model.thinking]
+    return ChatRenderer(tokenizer, tool_schemas(agent.tools, agent.store), cfg.rollout.observation_role, thinking)
 
 
 SQLITE_FILE = "memory.sqlite"  # the durable experience store of a run, in its run directory by default

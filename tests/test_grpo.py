@@ -50,6 +50,18 @@ def test_trajectory_weights_independent_of_segment_count():
     assert float(one[1] * 40) == pytest.approx(float((three[1:] * torch.tensor([10, 10, 20])).sum()))
 
 
+def test_segment_mean_weights_are_the_releases_per_sample_mean():
+    # slime: loss = mean over samples (segments) of each sample's token mean
+    tokens = torch.tensor([60, 10, 20, 30])
+    w = grpo.token_weights(tokens, torch.tensor([0, 1, 1, 1]), "segment")
+    assert w.tolist() == pytest.approx([1 / (60 * 4), 1 / (10 * 4), 1 / (20 * 4), 1 / (30 * 4)])
+    loss = torch.tensor([1.0, 2.0, 3.0, 4.0])  # each segment's (constant) per-token loss
+    assert float((w * tokens * loss).sum()) == pytest.approx(loss.mean())
+    # the split trajectory weighs 3/4, the whole one 1/4: unlike "trajectory" (1/2 each)
+    assert float((w[1:] * tokens[1:]).sum()) == pytest.approx(0.75)
+    assert grpo.token_weights(torch.tensor([5, 0]), torch.tensor([0, 1]), "segment").tolist() == pytest.approx([0.2, 0])
+
+
 def test_token_mean_weights_and_empty_segments():
     w = grpo.token_weights(torch.tensor([60, 10, 0, 30]), torch.tensor([0, 1, 1, 1]), "token")
     assert w.tolist() == pytest.approx([0.01, 0.01, 0.0, 0.01])
@@ -124,6 +136,17 @@ def test_token_loss_composes_parts():
     no_tis, _ = grpo.token_loss(logp, old, rollout, None, None, adv, **{**release, "tis_cap": None}, kl_coef=0.1,
                                  entropy_coef=0.01)
     assert no_tis.tolist()[0] == pytest.approx([-1.0, 1.0])
+
+
+def test_kl_clamp_caps_each_tokens_k3_term():
+    logp = torch.log(torch.tensor([[1e-9, 0.5]]))  # the policy all but dropped a token the reference likes
+    ref = torch.log(torch.tensor([[0.9, 0.5]]))
+    zero = torch.zeros(1, 2)
+    release = {"clip_low": 0.2, "clip_high": 0.28, "tis_cap": None, "kl_coef": 1.0, "entropy_coef": 0.0}
+    _, free = grpo.token_loss(logp, logp, logp, ref, None, zero, **release)
+    _, clamped = grpo.token_loss(logp, logp, logp, ref, None, zero, **release, kl_clamp=10.0)
+    assert float(free["kl"][0, 0]) > 1e8  # e^(ln 0.9 - ln 1e-9) - ... : unbounded
+    assert clamped["kl"].tolist()[0] == pytest.approx([10.0, 0.0])
 
 
 def test_aggregate_weights_tokens():

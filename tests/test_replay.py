@@ -145,6 +145,10 @@ def test_standard_mode_switches_show_admissible(cfg, smol_tokenizer):
         ({"summary": "s", "db_blocks": [{"db_index": "a", "start_anchor": "zebra", "mid_anchor": "q",
                                           "end_anchor": "w"}]}, "anchors not found", False),
         ({"summary": "s", "db_blocks": [{"db_index": "a"}]}, "neither db_content nor anchors", False),
+        ({"summary": "s", "db_blocks": [{"db_index": "a", "db_content": "   \n"}]}, "db_content is only whitespace",
+         False),  # the release rejects it; it was stored
+        ({"summary": "s", "db_blocks": [{"db_index": "a", "start_anchor": " ", "mid_anchor": " ", "end_anchor": " "}]},
+         "start_anchor, mid_anchor, end_anchor must not be only whitespace", False),  # stored one space before
     ],
 )
 def test_compress_validation_errors_change_nothing(cfg, smol_tokenizer, arguments, fragment, is_format_error):

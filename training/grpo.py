@@ -67,6 +67,9 @@ def token_weights(
       - "trajectory": each trajectory weighs 1 / n_trajectories, spread over all its trained
         tokens (across its segments): a trajectory split into 1 or 3 segments weighs the same
         (memex.md: average the loss per trajectory).
+      - "segment": each segment weighs 1 / n_segments, spread over its own trained tokens (a
+        per-sample token mean, then the mean over samples: the release's slime, where each segment
+        is a sample; a trajectory of 3 segments weighs 3 times one of 1).
       - "token": every trained token in the batch weighs 1 / total trained tokens.
     Segments without trained tokens get 0.
     """
@@ -74,8 +77,11 @@ def token_weights(
     if mode == "token":
         total = counts.sum()
         return torch.where(counts > 0, 1.0 / total.clamp(min=1.0), torch.zeros_like(counts))
+    if mode == "segment":
+        n_segments = (counts > 0).sum().clamp(min=1)
+        return torch.where(counts > 0, 1.0 / (counts.clamp(min=1.0) * n_segments), torch.zeros_like(counts))
     if mode != "trajectory":
-        raise ValueError(f"unknown loss aggregation {mode!r}: use 'trajectory' or 'token'")
+        raise ValueError(f"unknown loss aggregation {mode!r}: use 'trajectory', 'segment' or 'token'")
     trajs, index = torch.unique(trajectory_ids, return_inverse=True)
     per_traj = torch.zeros(len(trajs), dtype=torch.float32).index_add_(0, index, counts)  # (n_traj,)
     n_traj = (per_traj > 0).sum().clamp(min=1)
@@ -157,10 +163,12 @@ def token_loss(
     tis_cap: float | None,
     kl_coef: float,
     entropy_coef: float,
+    kl_clamp: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The per-token MemexRL loss l_t and its parts, all (B, L).
 
-    l_t = w_tis * l_pg + kl_coef * k3 - entropy_coef * H. `tis_cap=None` switches TIS off
+    l_t = w_tis * l_pg + kl_coef * k3 - entropy_coef * H, k3 clamped to [-kl_clamp, kl_clamp] when
+    kl_clamp > 0 (the release). `tis_cap=None` switches TIS off
     (w = 1); `ref_logprobs=None` or kl_coef 0 drops the KL term; `entropy=None` the bonus.
     Every coefficient comes from the run's `train` section (common/config.py: the release's numbers).
     Returns (loss (B, L), parts): pg, kl, entropy, clipped, tis_clipped, ratio, approx_kl.
@@ -172,6 +180,8 @@ def token_loss(
         w, tis_clipped = torch.ones_like(pg), torch.zeros_like(clipped)
     loss = w * pg
     kl = kl_k3(logprobs, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(pg)
+    if kl_clamp:  # slime / verl low_var_kl: the per-token k3 value clamped to [-10, 10]
+        kl = kl.clamp(-kl_clamp, kl_clamp)
     if ref_logprobs is not None and kl_coef:
         loss = loss + kl_coef * kl
     ent = entropy if entropy is not None else torch.zeros_like(pg)

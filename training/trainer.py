@@ -282,7 +282,8 @@ class Trainer:
             members = {kept[i] for i in mb}
             local_keep = [i in members for i in range(len(trajs))]
             samples = build_samples(trajs, advantages, local_keep, t.loss_agg)
-            count = len(members) if t.loss_agg == "trajectory" else sum(s.trained_tokens for s in samples)
+            count = {"trajectory": len(members), "segment": len(samples)}.get(
+                t.loss_agg, sum(s.trained_tokens for s in samples))  # what this process's weights were normalised over
             scale = self._scale(count)
             for s in samples:
                 s.weight *= scale

@@ -101,7 +101,7 @@ def update_policy(*, model, optimizer, scheduler, accelerator, samples_per_updat
                 tok_loss, parts = grpo.token_loss(
                     logp, batch.old_logprobs, batch.rollout_logprobs, batch.ref_logprobs, ent, batch.advantages,
                     clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap or None,
-                    kl_coef=t.kl_coef, entropy_coef=t.entropy_coef,
+                    kl_coef=t.kl_coef, entropy_coef=t.entropy_coef, kl_clamp=t.kl_clamp,
                 )
                 loss = grpo.aggregate(tok_loss, batch.weights)
                 acc.backward(loss)
