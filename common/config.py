@@ -239,6 +239,13 @@ class TrainSection:
         "slime runs: a trajectory with more segments weighs more); 'token': mean over all trained tokens.",
         "trajectory",
     )
+    tied_groups: str = _help(
+        "Groups whose rewards all tie carry no signal. 'drop': train on the others (memex.md; fewer groups that "
+        "step); 'resample': the release's dynamic sampling, drawing more tasks until every process has its share "
+        "of tasks_per_step groups that do not tie (extra ones are left out), at most max_sample_rounds extra rounds.",
+        "drop")
+    max_sample_rounds: int = _help("tied_groups=resample: extra rounds of draws per step at most (then train on "
+                                   "what there is); the release has no bound.", 4)
     clip_low: float = _help("PPO clip below 1 (release: 0.2).", 0.2)
     clip_high: float = _help("PPO clip above 1 (release: 0.28).", 0.28)
     tis_cap: float = _help("Truncated importance sampling cap on exp(trainer - rollout log-prob) (2.0; 0: off).", 2.0)
@@ -399,6 +406,7 @@ class Config:
              f"train.global_batch_size ({self.train.global_batch_size}) must divide the rollout batch "
              f"tasks_per_step x group_size = {self.train.tasks_per_step * self.train.group_size}"),
             (self.train.advantage_norm in ("group", "batch"), "train.advantage_norm must be 'group' or 'batch'"),
+            (self.train.tied_groups in ("drop", "resample"), "train.tied_groups must be 'drop' or 'resample'"),
             (self.train.loss_agg in ("trajectory", "segment", "token"),
              "train.loss_agg must be 'trajectory', 'segment' or 'token'"),
             (self.train.finetune in ("full", "lora", "qlora"), "train.finetune must be full, lora or qlora"),

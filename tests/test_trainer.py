@@ -177,3 +177,20 @@ def test_int4_fake_quant_base_under_lora(tiny_eos_model, tmp_path, alfworld_data
     assert max(len(torch.unique(g)) for g in groups.reshape(-1, 32)) <= 15  # q in [-7, 7]
     trainer.train()
     assert json.loads((tmp_path / "fq" / "metrics.jsonl").read_text().splitlines()[0])["num_updates"] == 1
+
+
+def test_dynamic_sampling_draws_until_groups_carry_a_signal_or_the_bound(tiny_eos_model, tmp_path, alfworld_data,
+                                                                         monkeypatch):
+    """The release's dynamic sampling (train.tied_groups=resample): the never-ending tiny model ties every group,
+    so each step draws 1 + max_sample_rounds groups and trains on none; the eos model's first group has a signal."""
+    monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_data))
+    tied = tmp_path / "tied"
+    assert run(overrides("tiny-qwen3-moe", tied, **{"train.steps": 1, "train.tied_groups": "resample",
+                                                     "train.max_sample_rounds": 2})) == 0
+    (record,) = [json.loads(x) for x in (tied / "metrics.jsonl").read_text().splitlines()]
+    assert record["sample_rounds"] == 3 and record["groups_drawn"] == 3
+    assert record["groups_dropped_by_sampling"] == 3 and record["num_samples"] == 0
+    signal = tmp_path / "signal"
+    assert run(overrides(tiny_eos_model, signal, **{"train.steps": 1, "train.tied_groups": "resample"})) == 0
+    (record,) = [json.loads(x) for x in (signal / "metrics.jsonl").read_text().splitlines()]
+    assert record["sample_rounds"] == 1 and record["groups_drawn"] == 1 and record["num_samples"] >= 4

@@ -24,7 +24,7 @@ from envs.data import resolve_game
 from memexrl.cli import replay
 from rollout.runner import make_renderer, open_envs, run_episodes
 from rollout.scripted import ScriptedEngine
-from training.batching import advantages_for
+from training.batching import advantages_for, untied_groups
 from training.log import rollout_metrics
 
 BLOCK = '{"db_index": "a", "db_content": "x"}'
@@ -141,3 +141,10 @@ def test_metrics_count_crashes_and_leave_them_out_of_the_means():
     assert metrics["success_rate"] == 0.5 and metrics["reward_mean"] == 0.5
     assert rollout_metrics([])["num_crashed"] == 0
     assert torch.tensor(rollout_metrics([scored(0.0, CRASH)])["success_rate"]) == 0.0
+
+
+def test_untied_groups_are_the_ones_with_a_signal():
+    trajs = [scored(1.0), scored(0.0), scored(0.5), scored(0.5), scored(1.0), scored(0.0, CRASH), scored(2.0)]
+    groups = [0, 0, 1, 1, 2, 2, 3]
+    # group 1 ties; group 2 has one played member (the other crashed); group 3 has one member
+    assert untied_groups(trajs, groups) == [0]

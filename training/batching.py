@@ -72,6 +72,16 @@ def advantages_for(
     return adv.tolist(), keep.tolist()
 
 
+def untied_groups(trajs: list[Trajectory], groups: list[int]) -> list[int]:
+    """The groups (in order of appearance) whose played members' rewards do not all tie: the ones with a signal."""
+    rewards: dict[int, list[float]] = {}
+    for traj, group in zip(trajs, groups):
+        members = rewards.setdefault(group, [])
+        if not traj.crashed:
+            members.append(traj.reward["total"])
+    return [g for g, r in rewards.items() if len(r) >= 2 and any(x != r[0] for x in r)]
+
+
 def build_samples(trajs: list[Trajectory], advantages: list[float], keep: list[bool], loss_agg: str,
                   weight_scale: float = 1.0) -> list[SegmentSample]:
     """The segments of the kept trajectories with their advantages and aggregation weights.

@@ -48,6 +48,8 @@ from training.batching import (
     advantages_for,
     build_samples,
     fill_logprobs,
+    max_over_processes,
+    untied_groups,
 )
 from training.log import RunLogger, rollout_metrics
 from training.policy import Policy, load_policy_for_grpo
@@ -103,10 +105,12 @@ def make_engine(policy: Policy, cfg: Config, accelerator=None):
     return engine
 
 
-def rollout(step: int, games: list[str], engine, policy: Policy, envs, cfg: Config, rank: int):
-    """Phase 1: G rollouts of each game. Sampling is seeded by (seed, step, rank) alone, so a resumed run matches."""
-    engine.reseed((cfg.seed * 1_000_003 + step) * 64 + rank)
-    jobs = [(f"s{step}-r{rank}-t{k}-g{j}", game) for k, game in enumerate(games) for j in range(cfg.train.group_size)]
+def rollout(step: int, games: list[str], engine, policy: Policy, envs, cfg: Config, rank: int, draw: int = 0):
+    """Phase 1: G rollouts of each game. Sampling is seeded by (seed, step, rank, draw) alone, so a resumed run
+    matches."""
+    engine.reseed((cfg.seed * 1_000_003 + step) * 64 + rank + draw * 1_000_000_007)
+    tag = f"s{step}-r{rank}" + (f"-d{draw}" if draw else "")
+    jobs = [(f"{tag}-t{k}-g{j}", game) for k, game in enumerate(games) for j in range(cfg.train.group_size)]
     groups = [k for k in range(len(games)) for _ in range(cfg.train.group_size)]
     policy.model.eval()
     with torch.no_grad():
@@ -313,7 +317,6 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def train(self) -> Path:
         cfg, t, acc = self.cfg, self.cfg.train, self.accelerator
-        world, rank = acc.num_processes, acc.process_index
         last = None
         if t.max_episode_steps:
             cfg = replace(cfg, env=replace(cfg.env, max_steps=t.max_episode_steps))
@@ -321,16 +324,13 @@ class Trainer:
         with open_envs(cfg) as envs:
             for step in range(self.start_step + 1, t.steps + 1):
                 metrics: dict = {"step": step}
-                games = self.sampler.next(t.tasks_per_step)[rank::world]
                 t0 = time.perf_counter()
                 with self.generation_weights(engine):
-                    trajs, groups = rollout(step, games, engine, self.policy, envs, cfg, rank)
+                    trajs, groups = self.play_step(step, engine, envs, cfg, metrics)
                 metrics["rollout_s"] = time.perf_counter() - t0
                 t1 = time.perf_counter()
                 engine.sleep()  # a colocated vLLM hands its GPU memory to the update
-                score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
-                metrics.update(rollout_metrics(trajs, acc))  # gathered: every process sees the same counts
-                if metrics["num_crashed"] == t.tasks_per_step * t.group_size:
+                if metrics["num_crashed"] == metrics["groups_drawn"] * t.group_size:
                     raise MemexError(f"step {step}: every episode crashed, so there is nothing to train on; the first "
                                      f"one: {trajs[0].error if trajs else 'on another process'}")
                 per_update, advantages = self.prepare_samples(trajs, groups, step, metrics)
@@ -344,6 +344,39 @@ class Trainer:
                     last = self.save(step)
         self.logger.finish()
         return last or self.run_dir
+
+    def play_step(self, step: int, engine, envs, cfg: Config, metrics: dict) -> tuple[list, list[int]]:
+        """The step's scored trajectories and their group ids: tasks_per_step groups of G rollouts.
+
+        With train.tied_groups=resample (the release's dynamic sampling) it draws more tasks while a process
+        lacks its share of groups whose rewards do not all tie, at most max_sample_rounds more rounds, and keeps
+        each process's first share of such groups. Every process plays every round (their loops stay in step).
+        """
+        t, acc = cfg.train, self.accelerator
+        world, rank, share = acc.num_processes, acc.process_index, t.tasks_per_step // acc.num_processes
+        trajs, groups, draws, drawn = [], [], 0, 0
+        missing = share
+        while True:
+            games = self.sampler.next(missing * world)[rank::world]
+            new, new_groups = rollout(step, games, engine, self.policy, envs, cfg, rank, draws)
+            score_trajectories(new, cfg.memory.threshold, cfg.reward)
+            offset = len(set(groups))
+            trajs, groups = trajs + new, groups + [g + offset for g in new_groups]
+            draws, drawn = draws + 1, drawn + missing * world
+            if t.tied_groups == "drop":
+                break
+            informative = untied_groups(trajs, groups)
+            missing = int(max_over_processes(acc, max(0, share - len(informative))))
+            if not missing or draws > t.max_sample_rounds:
+                break
+        metrics["sample_rounds"], metrics["groups_drawn"] = draws, drawn
+        metrics.update(rollout_metrics(trajs, acc))  # every played episode; gathered: the same on every process
+        if t.tied_groups == "resample":
+            keep = set(untied_groups(trajs, groups)[:share])
+            kept = [i for i, g in enumerate(groups) if g in keep]
+            metrics["groups_dropped_by_sampling"] = len(set(groups)) - len(keep)
+            trajs, groups = [trajs[i] for i in kept], [groups[i] for i in kept]
+        return trajs, groups
 
     def save(self, step: int) -> Path | None:
         acc = self.accelerator
