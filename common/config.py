@@ -212,7 +212,7 @@ class TrainSection:
     task_types: str = _help(
         "Train on these ALFWorld task types only (comma-separated, '' = all), e.g. a curriculum of the short "
         "ones: pick_and_place_simple,look_at_obj_in_light. The paper trains on all six.", "")
-    steps: int = _help("Rollout steps (release: 50).", 50)
+    steps: int = _help("Rollout steps (the release: --num-rollout 3000; configs/release.yaml).", 50)
     tasks_per_step: int = _help("Distinct games per rollout step (release: 32).", 32)
     group_size: int = _help("G: rollouts per game, one GRPO group (release: 8).", 8)
     global_batch_size: int = _help(
@@ -220,6 +220,11 @@ class TrainSection:
         "must divide tasks_per_step * group_size.",
         128,
     )
+    batch_unit: str = _help(
+        "What global_batch_size counts: 'trajectories' (tasks_per_step x group_size / global_batch_size optimizer "
+        "steps per rollout step, each trajectory's segments in one of them) or 'segments' (the release's slime, "
+        "which counts samples: a step with more segments takes more optimizer steps, the last one the remainder; "
+        "a cosine schedule then assumes the trajectory count).", "trajectories")
     micro_batch_size: int = _help("Segments per forward/backward pass (memory bound); gradients accumulate.", 1)
     max_episode_steps: int = _help("Step limit of training rollouts (0: env.max_steps; CPU configs cap it).", 0)
     recompute_old_logprobs: bool = _help(
@@ -401,8 +406,10 @@ class Config:
             (self.train.group_size >= 2, "train.group_size (G) must be >= 2: GRPO compares rollouts of one game"),
             (self.train.tasks_per_step > 0, "train.tasks_per_step must be > 0"),
             (self.train.micro_batch_size > 0, "train.micro_batch_size must be > 0"),
+            (self.train.batch_unit in ("trajectories", "segments"), "train.batch_unit must be trajectories or segments"),
             (self.train.global_batch_size > 0
-             and (self.train.tasks_per_step * self.train.group_size) % self.train.global_batch_size == 0,
+             and (self.train.batch_unit == "segments"
+                  or (self.train.tasks_per_step * self.train.group_size) % self.train.global_batch_size == 0),
              f"train.global_batch_size ({self.train.global_batch_size}) must divide the rollout batch "
              f"tasks_per_step x group_size = {self.train.tasks_per_step * self.train.group_size}"),
             (self.train.advantage_norm in ("group", "batch"), "train.advantage_norm must be 'group' or 'batch'"),

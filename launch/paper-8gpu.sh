@@ -34,7 +34,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-CONFIG=configs/paper-8gpu.yaml
+CONFIG=${CONFIG:-configs/paper-8gpu.yaml}   # configs/release.yaml: the release exactly (docs/fidelity.md)
 MODE=${MODE:-full}
 INT4_DIR=${INT4_DIR:-runs/qwen3-30b-a3b-int4}
 PY=${PYTHON:-python}
@@ -79,7 +79,8 @@ $PY -m memexrl train --config "$CONFIG" --dry-run --accelerate-config "$ACCEL" -
 accelerate launch --config_file "$ACCEL" -m memexrl.cli train --config "$CONFIG" ${opts[@]+"${opts[@]}"} \
   ${overrides[@]+"${overrides[@]}"}
 
-run_dir=runs/paper-8gpu   # the config's train.output_dir, unless MODE's or yours (the last one wins) says otherwise
+# the config's train.output_dir, unless MODE's or yours (the last one wins) says otherwise
+run_dir=$($PY -c "from common.config import load_config; print(load_config('$CONFIG').train.output_dir)")
 for o in ${overrides[@]+"${overrides[@]}"}; do [[ $o == train.output_dir=* ]] && run_dir=${o#train.output_dir=}; done
 $PY -m memexrl plot "$run_dir"
 # Resume: `MODE=... bash launch/paper-8gpu.sh --resume` (same MODE: a ZeRO checkpoint resumes under the same

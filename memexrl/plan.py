@@ -339,7 +339,9 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         f"per process {plan.tasks_per_process} tasks = {plan.rollouts_per_process} rollouts",
         f"optimizer steps     {plan.optimizer_steps_per_rollout_step} per rollout step "
         f"({plan.rollouts_per_step} / global batch {plan.trajectories_per_optimizer_step}), "
-        f"{plan.total_optimizer_steps} over {t.steps} steps",
+        f"{plan.total_optimizer_steps} over {t.steps} steps"
+        + (f"; the batch counts segments (train.batch_unit): at least this many, one more per "
+           f"{t.global_batch_size} extra segments" if t.batch_unit == "segments" else ""),
         f"per optimizer step  {plan.trajectories_per_optimizer_step} trajectories, "
         f"{plan.trajectories_per_optimizer_step_per_process} per process; micro-batches of {t.micro_batch_size} segment(s) "
         f"(>= {math.ceil(plan.trajectories_per_optimizer_step_per_process / t.micro_batch_size)} "

@@ -50,7 +50,7 @@ def test_h200_lora_config_is_the_int4_lora_recipe():
     assert cfg.train.tasks_per_step * cfg.train.group_size // cfg.train.global_batch_size == 2
 
 
-@pytest.mark.parametrize("config", ["h200-lora.yaml", "paper-8gpu.yaml"])
+@pytest.mark.parametrize("config", ["h200-lora.yaml", "paper-8gpu.yaml", "release.yaml"])
 def test_train_dry_run(config, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)

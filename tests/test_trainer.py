@@ -194,3 +194,15 @@ def test_dynamic_sampling_draws_until_groups_carry_a_signal_or_the_bound(tiny_eo
     assert run(overrides(tiny_eos_model, signal, **{"train.steps": 1, "train.tied_groups": "resample"})) == 0
     (record,) = [json.loads(x) for x in (signal / "metrics.jsonl").read_text().splitlines()]
     assert record["sample_rounds"] == 1 and record["groups_drawn"] == 1 and record["num_samples"] >= 4
+
+
+def test_segment_batches_count_segments_as_the_release_does(tiny_eos_model, tmp_path, alfworld_data, monkeypatch):
+    """train.batch_unit=segments: global_batch_size counts segments; 4 trained segments in batches of 3 make 2
+    optimizer steps (the last one takes the remainder), where trajectories would make 4 / 3: refused."""
+    monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_data))
+    run_dir = tmp_path / "segments"
+    assert run(overrides(tiny_eos_model, run_dir, **{"train.steps": 1, "train.batch_unit": "segments",
+                                                     "train.global_batch_size": 3, "train.loss_agg": "segment"})) == 0
+    (record,) = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert record["num_samples"] == 4 and record["num_updates"] == 2
+    assert run(overrides(tiny_eos_model, tmp_path / "t", **{"train.global_batch_size": 3})) == 2

@@ -104,12 +104,17 @@ def build_samples(trajs: list[Trajectory], advantages: list[float], keep: list[b
                 weight=0.0,
                 trajectory=i,
             ))
+    set_weights(samples, loss_agg, weight_scale)
+    return samples
+
+
+def set_weights(samples: list[SegmentSample], loss_agg: str, weight_scale: float = 1.0) -> None:
+    """Each sample's token weight, normalised over `samples` (one minibatch) as `loss_agg` says."""
     if samples:
         weights = grpo.token_weights(torch.tensor([s.trained_tokens for s in samples]),
                                      torch.tensor([s.trajectory for s in samples]), loss_agg)
         for s, w in zip(samples, weights.tolist()):
             s.weight = w * weight_scale
-    return samples
 
 
 def collate(samples: list[SegmentSample], pad_id: int, device: torch.device) -> MicroBatch:

@@ -49,6 +49,7 @@ from training.batching import (
     build_samples,
     fill_logprobs,
     max_over_processes,
+    set_weights,
     untied_groups,
 )
 from training.log import RunLogger, rollout_metrics
@@ -280,22 +281,36 @@ class Trainer:
         advantages, keep = advantages_for(trajs, groups, t.advantage_norm, t.adv_eps)
         n_groups = len(set(groups))
         metrics["zero_std_group_frac"] = 1.0 - len({g for g, k in zip(groups, keep) if k}) / max(1, n_groups)
-        kept = [i for i, k in enumerate(keep) if k]
-        per_update = []
-        for mb in minibatches(len(kept), t.updates_per_step, self.cfg.seed, step):
-            members = {kept[i] for i in mb}
-            local_keep = [i in members for i in range(len(trajs))]
-            samples = build_samples(trajs, advantages, local_keep, t.loss_agg)
-            count = {"trajectory": len(members), "segment": len(samples)}.get(
+        if t.batch_unit == "segments":
+            per_update = self.segment_minibatches(build_samples(trajs, advantages, keep, t.loss_agg), step)
+        else:
+            kept = [i for i, k in enumerate(keep) if k]
+            per_update = []
+            for mb in minibatches(len(kept), t.updates_per_step, self.cfg.seed, step):
+                members = {kept[i] for i in mb}
+                per_update.append(build_samples(trajs, advantages, [i in members for i in range(len(trajs))],
+                                                t.loss_agg))
+        for samples in per_update:
+            count = {"trajectory": len({s.trajectory for s in samples}), "segment": len(samples)}.get(
                 t.loss_agg, sum(s.trained_tokens for s in samples))  # what this process's weights were normalised over
             scale = self._scale(count)
             for s in samples:
                 s.weight *= scale
-            per_update.append(samples)
         every = [s for samples in per_update for s in samples]
         self.fill_logprobs(every)
         metrics["num_samples"] = len(every)
         return per_update, advantages
+
+    def segment_minibatches(self, samples: list, step: int) -> list[list]:
+        """train.batch_unit=segments (the release's slime counts samples, i.e. segments): shuffled minibatches of
+        global_batch_size segments in all (the last one takes the remainder), the same number on every process."""
+        per_process = self.cfg.train.global_batch_size // self.accelerator.num_processes
+        n_updates = max(1, max_over_processes(self.accelerator, -(-len(samples) // per_process)))
+        order = np.random.default_rng([self.cfg.seed, step, 7]).permutation(len(samples)).tolist()
+        per_update = [[samples[i] for i in order[u * per_process:(u + 1) * per_process]] for u in range(n_updates)]
+        for chunk in per_update:
+            set_weights(chunk, self.cfg.train.loss_agg)
+        return per_update
 
     def fill_logprobs(self, samples: list) -> None:
         """Old log-probs (the trainer's, under the weights that generated the rollouts: TIS, PPO ratio) and
