@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     exp = sub.add_parser("expert", help="Memex expert demonstrations (trajectory JSON lines) for SFT")
     exp.add_argument("--split", required=True, help="train, valid_seen, valid_unseen or valid")
-    exp.add_argument("--games", type=positive_int, required=True, help="play the first N games of the split")
+    exp.add_argument("--games", type=int, required=True, help="play the first N games of the split")
     exp.add_argument("--out", required=True, help="directory for demos.jsonl and report.json")
     exp.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
     exp.add_argument("--workers", type=non_negative_int, default=None, help="env worker processes (default: env.num_workers)")
@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     alf_eval.add_argument("--config", default=None, help="YAML config (its eval section; default: built-in defaults)")
     alf_eval.add_argument("--checkpoint", default=None, help="checkpoint dir, run dir or model name (eval.checkpoint)")
     alf_eval.add_argument("--split", default=None, help="train, valid_seen, valid_unseen or valid (eval.split)")
-    alf_eval.add_argument("--games", type=positive_int, default=None, help="N games stratified by task type (eval.games)")
+    alf_eval.add_argument("--games", type=non_negative_int, default=None, help="N games stratified by task type (eval.games)")
     alf_eval.add_argument("--task-types", default=None, help="comma-separated task types only (eval.task_types)")
     alf_eval.add_argument("--agent", default=None, help="memex, full, truncate, summary or m2 (eval.agent)")
     alf_eval.add_argument("--out", default=None, help="output directory (eval.output_dir)")

@@ -71,9 +71,9 @@ def test_replay_refuses_an_empty_script_and_a_missing_out_directory_before_playi
 
 @pytest.mark.parametrize("argv, fragment", [
     (["bench", "store", "--blocks", "-5"], "invalid positive_int value: '-5'"),
-    (["expert", "--split", "train", "--games", "0", "--out", "x"], "invalid positive_int value: '0'"),
+    (["expert", "--split", "train", "--games", "0", "--out", "x"], "--games must be >= 1"),
     (["eval", "alfworld", "--config", "configs/tiny-cpu.yaml", "--split", "valid_seen", "--games", "-2"],
-     "invalid positive_int value"),
+     "invalid non_negative_int value"),
 ])
 def test_bad_counts_are_usage_errors(argv, fragment, capsys):
     code, err = exit_code_and_error(argv, capsys)
