@@ -3,7 +3,8 @@
 - env: env steps/s through the worker pool with 1 and 2 worker processes, then the share of
   rollout time spent outside the model with SmolLM2 playing real games;
 - store: experience-store writes and reads per second, in-memory vs SQLite;
-- rollout: transformers-engine generation with and without the per-episode KV cache;
+- rollout: transformers-engine generation with and without the per-episode KV cache, and in float32 vs
+  a bfloat16 copy (rollout.dtype) against this CPU's matmul roofline;
 - trainer: trained tokens/s of our GRPO update path vs TRL's GRPOTrainer on the same work;
 - update: the GRPO update's peak memory with and without its memory measures (eval/bench_update.py);
 - sync: the full-weight INT4 sync to vLLM, a whole host copy vs streamed (eval/bench_sync.py).
@@ -65,7 +66,13 @@ def run(what: str, args: argparse.Namespace) -> str:
         steps = format_bench_env(bench_env(games, steps=args.steps))
         model, tokenizer = _policy(cfg)
         return steps + "\n\n" + format_rollout_overhead(rollout_overhead(games, cfg, model, tokenizer))
-    from eval.bench_rollout import format_kv_cache_speedup, kv_cache_speedup
+    from eval.bench_rollout import (
+        engine_dtypes,
+        format_engine_dtypes,
+        format_kv_cache_speedup,
+        kv_cache_speedup,
+    )
 
     model, tokenizer = _policy(cfg)
-    return format_kv_cache_speedup(kv_cache_speedup(games, cfg, model, tokenizer))
+    return (format_kv_cache_speedup(kv_cache_speedup(games, cfg, model, tokenizer)) + "\n\n"
+            + format_engine_dtypes(engine_dtypes(games, cfg, model, tokenizer)))

@@ -13,10 +13,16 @@ row's own positions, so each row computes exactly what it would alone.
 
 Log-probs are the model's raw log-probs (temperature 1, before top-k/top-p) of the sampled
 tokens, the quantity the trainer recomputes (vLLM's default `raw_logprobs` reports the same).
+
+`dtype` (rollout.dtype): generate with a copy of the model in another dtype, e.g. bfloat16 on a
+CPU with AVX-512 BF16 while the trainer updates float32 weights (measured in `memexrl bench
+rollout`). `sync_weights` copies the trained weights into it after each update; the trainer's
+recomputed log-probs and the TIS ratio correct for the engine's rounding, as they do for vLLM's.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -51,6 +57,20 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: i
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def rollout_copy(model, dtype: torch.dtype):
+    """A frozen copy of `model` in `dtype` for generation (adapters and fake-quant parametrizations included)."""
+    clone = copy.deepcopy(model).to(dtype).eval()
+    clone.requires_grad_(False)
+    return clone
+
+
+@torch.no_grad()
+def copy_weights(source, target) -> None:
+    """The values of `source`'s parameters and buffers into `target`'s (same structure), cast to its dtype."""
+    for dst, src in zip(target.state_dict(keep_vars=True).values(), source.state_dict(keep_vars=True).values()):
+        dst.copy_(src)
+
+
 class TransformersEngine(Engine):
     """Batched generation with a transformers causal LM and per-episode KV caches."""
 
@@ -66,8 +86,10 @@ class TransformersEngine(Engine):
         seed: int = 0,
         reuse_cache: bool = True,
         preallocate_cache: bool = True,
+        dtype: torch.dtype | None = None,
     ):
-        self.model = model
+        self.source = model  # the trained module
+        self.model = model if dtype in (None, next(model.parameters()).dtype) else rollout_copy(model, dtype)
         self.tokenizer = tokenizer
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.batch_size = batch_size
@@ -90,9 +112,14 @@ class TransformersEngine(Engine):
         self.generator.manual_seed(seed)
 
     def sync_weights(self, model: object = None) -> None:
-        """Generate with `model` from now on (the trainer's module: nothing to copy); cached keys are stale."""
+        """Generate with `model`'s weights from now on: the module itself, or copied into the engine's own copy
+        in its dtype. Cached keys are stale either way."""
         if model is not None:
-            self.model = model
+            if self.model is self.source:
+                self.model = model
+            self.source = model
+        if self.model is not self.source:
+            copy_weights(self.source, self.model)
         self._cache.clear()
 
     def release(self, episode_id: str) -> None:

@@ -5,6 +5,7 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import copy
 import json
 
 import pytest
@@ -216,3 +217,31 @@ def traj_header(renderer, seg):
     """Tokens of [system, task] without the generation prompt: the part W does not count."""
     gen = renderer.encode("<|im_start|>assistant\n")
     return len(seg.prompt_ids) - len(gen)
+
+
+def test_a_bf16_engine_generates_from_its_copy_and_follows_every_sync(smol_policy):
+    """rollout.dtype=bfloat16: a bf16 copy of the float32 policy generates what a bf16 model generates, and an
+    update of the trained weights reaches the copy at sync_weights (the in-process engine shares nothing else)."""
+    model, tokenizer = smol_policy
+    engine = TransformersEngine(model, tokenizer, temperature=0, batch_size=2, dtype=torch.bfloat16)
+    assert engine.model is not model and next(engine.model.parameters()).dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.float32  # the trained module is untouched
+    ids = tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
+    (got,) = engine.generate([GenerationRequest("a", ids, 8)])
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    expected = reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    assert got.token_ids == expected[: len(got.token_ids)]
+    head = model.get_output_embeddings().weight
+    original = head.detach().clone()
+    try:
+        with torch.no_grad():
+            head.mul_(-1.0)  # an "update" the copy must see
+        engine.sync_weights(model)
+        mirrored = engine.model.get_output_embeddings().weight
+        assert torch.equal(mirrored, head.detach().to(torch.bfloat16))
+        (after,) = engine.generate([GenerationRequest("b", ids, 8)])
+        assert after.token_ids != got.token_ids
+    finally:
+        with torch.no_grad():
+            head.copy_(original)

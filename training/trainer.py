@@ -90,8 +90,12 @@ def make_engine(policy: Policy, cfg: Config, accelerator=None):
     one colocated engine per process, on that process's GPU."""
     r = cfg.rollout
     if r.engine != "vllm":
+        dtype = None if r.dtype == "auto" else getattr(torch, r.dtype)
+        if dtype is not None and deepspeed_launched():
+            raise MemexError("rollout.dtype needs a whole model to copy: under DeepSpeed keep rollout.dtype=auto or "
+                             "roll out with vLLM (rollout.engine=vllm)")
         return TransformersEngine(policy.model, policy.tokenizer, temperature=r.temperature, top_p=r.top_p,
-                                  top_k=r.top_k, batch_size=r.batch_size, seed=cfg.seed)
+                                  top_k=r.top_k, batch_size=r.batch_size, seed=cfg.seed, dtype=dtype)
     from modeling.zoo import resolve_model_path
     from rollout.vllm import Ranks, make_vllm_engine
 
