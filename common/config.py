@@ -122,7 +122,15 @@ class RolloutConfig:
         "paper rolls out INT4 W4A16); '' = the starting model (merged SFT start, exported to RUN/base/).",
         "",
     )
-    vllm_server_url: str = _help("vLLM server mode: base URL of a running server ('' = colocated vllm.LLM).", "")
+    vllm_server_url: str = _help(
+        "vLLM server mode: base URL of a running server, or 'managed' (the trainer starts `vllm serve` with "
+        "rollout.vllm_server_python and stops it at the end: vLLM's CPU build for CPU runs); '' = colocated vllm.LLM.",
+        "")
+    vllm_server_python: str = _help(
+        "rollout.vllm_server_url=managed: the Python whose vLLM serves (make .venv-vllm/.installed builds the CPU one).",
+        ".venv-vllm/bin/python")
+    vllm_server_startup_s: float = _help("rollout.vllm_server_url=managed: seconds the server may take to come up.",
+                                         900.0)
     vllm_gpu_memory_utilization: float = _help("Share of GPU memory the colocated vLLM may take.", 0.35)
 
 

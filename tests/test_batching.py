@@ -121,9 +121,9 @@ def test_chunked_output_head_equals_the_whole_head(with_grad):
 def test_chunked_output_head_through_a_ddp_wrapper():
     """Multi-GPU runs hand `sequence_logprobs` the DDP-wrapped model, which does not forward attributes."""
     import torch.distributed as dist
-    from ranks import free_port
 
     from modeling.load import load_policy
+    from rollout.vllm_server import free_port
     from training.batching import SegmentSample, sequence_logprobs
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

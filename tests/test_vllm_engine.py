@@ -218,46 +218,18 @@ def test_lora_adapter_sync(dense, tmp_path):
 
 @pytest.fixture(scope="module")
 def server(dense, tmp_path_factory):
-    """A real `vllm serve` of the dense model (OpenAI API, runtime LoRA loading) on a free port."""
-    import subprocess
+    """A real `vllm serve` of the dense model (OpenAI API, runtime LoRA loading) on a free port: the one
+    `rollout.vllm_server_url=managed` starts (rollout/vllm_server.py)."""
     import sys
-    import time
-    import urllib.request
 
-    from ranks import free_port
+    from rollout.vllm_server import ManagedServer, free_port, serve_command
 
     path, _ = dense
     port = free_port()
-    log = tmp_path_factory.mktemp("server") / "vllm-serve.log"
-    # Runtime LoRA loading; /collective_rpc and our worker extension for full-weight sync (FULL_SYNC=1 of
-    # launch/vllm-server.sh).
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_SERVER_DEV_MODE": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--served-model-name",
-           "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
-           "--enforce-eager", "--max-num-seqs", "8", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "4",
-           "--logprobs-mode", "raw_logprobs", "--worker-extension-cls", "rollout.vllm.WorkerWeightSync"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"vllm serve did not come up:\n{log.read_text()[-3000:]}")
-                time.sleep(2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    cmd = serve_command(sys.executable, path, port, dtype="float32", max_model_len=512, lora_rank=8, max_loras=4,
+                        served_name="tiny", extra=("--enforce-eager", "--max-num-seqs", "8"))
+    with ManagedServer(cmd, port, tmp_path_factory.mktemp("server") / "vllm-serve.log", startup_s=600) as served:
+        yield served.url
 
 
 def test_server_mode_ids_logprobs_and_adapters_of_two_trainers(server, dense, tmp_path):

@@ -85,9 +85,10 @@ def make_optimizer(policy: Policy, cfg: Config):
     return optimizer, scheduler
 
 
-def make_engine(policy: Policy, cfg: Config, accelerator=None):
+def make_engine(policy: Policy, cfg: Config, accelerator=None, resources: contextlib.ExitStack | None = None):
     """The rollout engine: the transformers engine on the trained module itself, or vLLM (rollout/vllm.py),
-    one colocated engine per process, on that process's GPU."""
+    one colocated engine per process on that process's GPU, or a vLLM server (a URL, or one this process starts
+    and `resources` stops: rollout.vllm_server_url=managed)."""
     r = cfg.rollout
     if r.engine != "vllm":
         dtype = None if r.dtype == "auto" else getattr(torch, r.dtype)
@@ -100,9 +101,21 @@ def make_engine(policy: Policy, cfg: Config, accelerator=None):
     from rollout.vllm import Ranks, make_vllm_engine
 
     model_dir = r.vllm_model or resolve_model_path(policy.rollout_model_dir, cfg.model.cache_dir)
+    lora_rank = cfg.train.lora_r if policy.uses_adapter else 0
+    server_url = r.vllm_server_url or None
+    if server_url == "managed":
+        from rollout.vllm_server import ManagedServer, free_port, serve_command
+
+        if resources is None:
+            raise MemexError("rollout.vllm_server_url=managed needs a trainer to own the server's lifetime")
+        port = free_port()
+        cmd = serve_command(r.vllm_server_python, str(model_dir), port, dtype=cfg.model.dtype,
+                            max_model_len=r.max_context_tokens, lora_rank=lora_rank)
+        log_file = Path(cfg.train.output_dir) / f"vllm-serve-{Ranks.of(accelerator).rank if accelerator else 0}.log"
+        server_url = resources.enter_context(ManagedServer(cmd, port, log_file, r.vllm_server_startup_s)).url
     engine = make_vllm_engine(
         model_dir=model_dir, tokenizer=policy.tokenizer, sampling=r, seed=cfg.seed, dtype=cfg.model.dtype,
-        server_url=r.vllm_server_url or None, lora_rank=cfg.train.lora_r if policy.uses_adapter else 0,
+        server_url=server_url, lora_rank=lora_rank,
         max_model_len=r.max_context_tokens, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         ranks=Ranks.of(accelerator) if accelerator is not None else Ranks(),
     )
@@ -339,8 +352,9 @@ class Trainer:
         last = None
         if t.max_episode_steps:
             cfg = replace(cfg, env=replace(cfg.env, max_steps=t.max_episode_steps))
-        engine = make_engine(self.policy, cfg, acc)
-        with open_envs(cfg) as envs:
+        with contextlib.ExitStack() as resources:  # a managed vLLM server and the env pool close with the loop
+            engine = make_engine(self.policy, cfg, acc, resources)
+            envs = resources.enter_context(open_envs(cfg))
             for step in range(self.start_step + 1, t.steps + 1):
                 metrics: dict = {"step": step}
                 t0 = time.perf_counter()

