@@ -75,4 +75,4 @@ def run(what: str, args: argparse.Namespace) -> str:
 
     model, tokenizer = _policy(cfg)
     return (format_kv_cache_speedup(kv_cache_speedup(games, cfg, model, tokenizer)) + "\n\n"
-            + format_engine_dtypes(engine_dtypes(games, cfg, model, tokenizer)))
+            + format_engine_dtypes(engine_dtypes(games, cfg, model, tokenizer, args.vllm_python)))

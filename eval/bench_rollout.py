@@ -24,9 +24,9 @@ from rollout.hf_engine import TransformersEngine
 from rollout.runner import RolloutTimes, make_renderer, open_envs, run_episodes
 
 
-def _play(games: list[Path], cfg: Config, model, tokenizer, *, reuse_cache: bool, pool: bool,
-          preallocate: bool = True, dtype: torch.dtype | None = None) -> dict:
-    engine = TransformersEngine(
+def _play(games: list[Path], cfg: Config, model, tokenizer, *, reuse_cache: bool = True, pool: bool = False,
+          preallocate: bool = True, dtype: torch.dtype | None = None, engine=None) -> dict:
+    engine = engine or TransformersEngine(
         model, tokenizer, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
         batch_size=cfg.rollout.batch_size, seed=cfg.seed, reuse_cache=reuse_cache, preallocate_cache=preallocate,
         dtype=dtype,
@@ -40,8 +40,9 @@ def _play(games: list[Path], cfg: Config, model, tokenizer, *, reuse_cache: bool
     return {
         "wall_s": wall,
         "times": times,
-        "generated_tokens": engine.generated_tokens,
-        "prefill_tokens": engine.prefill_tokens,
+        "generated_tokens": getattr(engine, "generated_tokens", 0) or sum(len(s.completion_ids) for t in trajs
+                                                                          for s in t.segments),
+        "prefill_tokens": getattr(engine, "prefill_tokens", 0),
         "tokens": [s.completion_ids for t in trajs for s in t.segments],
         "steps": sum(t.stats["num_steps"] for t in trajs),
     }
@@ -92,27 +93,52 @@ def matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 1.0) -> flo
     return 2 * n**3 * count / (time.perf_counter() - start)
 
 
-def engine_dtypes(games: list[Path], cfg: Config, model, tokenizer) -> dict:
+def _vllm_server_run(games: list[Path], cfg: Config, model, tokenizer, python: str) -> dict:
+    """The same episodes through a `vllm serve` of the same weights (vLLM's CPU build from `python`)."""
+    import tempfile
+
+    from rollout.vllm import make_vllm_engine
+    from rollout.vllm_server import ManagedServer, free_port, serve_command
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        port = free_port()
+        window = min(cfg.rollout.max_context_tokens, getattr(model.config, "max_position_embeddings", 8192))
+        cmd = serve_command(python, tmp, port, dtype="float32", max_model_len=window, lora_rank=0)
+        with ManagedServer(cmd, port, Path(tmp) / "vllm-serve.log") as server:
+            engine = make_vllm_engine(model_dir=tmp, tokenizer=tokenizer, sampling=cfg.rollout, seed=cfg.seed,
+                                      dtype="float32", server_url=server.url)
+            return _play(games, cfg, model, tokenizer, engine=engine)
+
+
+def engine_dtypes(games: list[Path], cfg: Config, model, tokenizer, vllm_python: str = "") -> dict:
+    """float32 and bfloat16 transformers rollouts, and a vLLM CPU server when `vllm_python` names its Python."""
     flops_per_token = 2 * sum(p.numel() for p in model.parameters())
     out = {}
-    for name, dtype in (("float32", None), ("bfloat16", torch.bfloat16)):
-        run = _play(games, cfg, model, tokenizer, reuse_cache=True, pool=False, dtype=dtype)
+    engines = [("float32", torch.float32), ("bfloat16", torch.bfloat16)] + ([("vllm server", None)] if vllm_python else [])
+    for name, dtype in engines:
+        if dtype is None:
+            run, dtype = _vllm_server_run(games, cfg, model, tokenizer, vllm_python), torch.float32
+        else:
+            run = _play(games, cfg, model, tokenizer, dtype=dtype if dtype != torch.float32 else None)
         rate = run["generated_tokens"] / run["times"].engine_s
-        peak = matmul_flops(dtype or next(model.parameters()).dtype)
+        peak = matmul_flops(dtype)
         out[name] = {"engine_s": run["times"].engine_s, "generated_tokens": run["generated_tokens"],
                      "tokens_per_s": rate, "roofline_flops": peak, "roofline_share": rate * flops_per_token / peak}
-    out["speedup"] = out["bfloat16"]["tokens_per_s"] / out["float32"]["tokens_per_s"]
+    for name in out:
+        out[name]["ratio"] = out[name]["tokens_per_s"] / out["float32"]["tokens_per_s"]
     return out
 
 
 def format_engine_dtypes(r: dict) -> str:
-    rows = [f"{'engine dtype':<13} {'engine s':>9} {'gen tok':>8} {'gen tok/s':>10} {'matmul GFLOP/s':>15} "
-            f"{'roofline share':>15}"]
-    for name in ("float32", "bfloat16"):
-        x = r[name]
-        rows.append(f"{name:<13} {x['engine_s']:>9.1f} {x['generated_tokens']:>8} {x['tokens_per_s']:>10.1f} "
-                    f"{x['roofline_flops'] / 1e9:>15.1f} {100 * x['roofline_share']:>14.2f}%")
-    rows.append(f"bfloat16 rollouts (rollout.dtype=bfloat16) vs float32: {r['speedup']:.2f}x generated tokens/s")
+    rows = [f"{'rollout engine':<15} {'engine s':>9} {'gen tok':>8} {'gen tok/s':>10} {'vs float32':>11} "
+            f"{'matmul GFLOP/s':>15} {'roofline share':>15}"]
+    for name, x in r.items():
+        rows.append(f"{name:<15} {x['engine_s']:>9.1f} {x['generated_tokens']:>8} {x['tokens_per_s']:>10.1f} "
+                    f"{x['ratio']:>10.2f}x {x['roofline_flops'] / 1e9:>15.1f} {100 * x['roofline_share']:>14.2f}%")
+    rows.append("(float32: today's transformers engine; bfloat16: rollout.dtype=bfloat16; vllm server: "
+                "rollout.engine=vllm rollout.vllm_server_url=managed, vLLM's CPU build, float32)")
     return "\n".join(rows)
 
 

@@ -289,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     ben = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     ben.add_argument("what", choices=["env", "store", "rollout", "trainer", "update", "sync"], help="what to measure")
     ben.add_argument("--split", default="valid_seen", help="games for env/rollout benches")
+    ben.add_argument("--vllm-python", default="", metavar="PYTHON",
+                     help="bench rollout: also roll out through a vllm serve from this Python (.venv-vllm/bin/python)")
     ben.add_argument("--games", type=positive_int, default=4, help="games for env/rollout benches")
     ben.add_argument("--steps", type=positive_int, default=200, help="env steps per worker count (bench env)")
     ben.add_argument("--blocks", type=positive_int, default=2000, help="blocks written (bench store)")
