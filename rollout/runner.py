@@ -72,7 +72,9 @@ def open_envs(cfg: Config, num_workers: int | None = None) -> Envs:
     from envs.pool import EnvPool
 
     workers = cfg.env.num_workers if num_workers is None else num_workers
-    return EnvPool(workers, env_kwargs(cfg), timeout=cfg.env.step_timeout_s) if workers > 0 else InlineEnvs(env_kwargs(cfg))
+    if workers > 0:
+        return EnvPool(workers, env_kwargs(cfg), timeout=cfg.env.step_timeout_s)
+    return InlineEnvs(env_kwargs(cfg))
 
 
 def make_renderer(tokenizer, cfg: Config, agent: AgentSpec = MEMEX_AGENT) -> ChatRenderer:

@@ -1,12 +1,15 @@
 """`memexrl train`: GRPO with segments and Memex rewards, on accelerate (memex.md "Training").
 
 One flat loop in phases, each step:
-  rollout   tasks_per_step games x G rollouts in the modified ALFWorld (env pool + engine)
-  score     R = task - context - redundancy - format penalties (rewards/memex.py)
-  advantage GRPO over each game's G trajectories; groups whose rewards tie are dropped
+  rollout   tasks_per_step games x G rollouts in the modified ALFWorld (env pool + engine); with
+            train.tied_groups=resample more games until the groups carry a signal (`play_step`)
+  score     R = task - context - redundancy - format penalties (rewards/memex.py), once, here
+  advantage GRPO over each game's G trajectories; groups whose rewards tie are dropped, and so
+            are episodes that crashed (a fault that is not the policy's)
   segment   each kept trajectory's segments become training sequences sharing its advantage
-  update    old / reference log-probs, then tasks*G / global_batch_size optimizer steps, each
-            accumulating micro-batches of segments (training/grpo.py is the objective)
+  update    old / reference log-probs, then tasks*G / global_batch_size optimizer steps (or one per
+            global_batch_size segments: train.batch_unit), each accumulating micro-batches of
+            segments (training/grpo.py is the objective)
   sync      the engine receives the new weights (a no-op for the in-process engine)
   log       metrics.jsonl (design.md keys), wandb scalars + a trajectory table
   save      atomic checkpoints every save_steps; `--resume` continues the same run
