@@ -140,10 +140,10 @@ class ParsedCall:
 
 def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
     """`value` as the agent wrote it, for an error observation: its repr, cut to `limit` characters."""
-    text = repr(value) if isinstance(value, str) else repr(type(value).__name__)
+    text = repr(value)
     if len(text) <= limit:
         return text
-    return f"{text[:limit]}... ({len(value) if isinstance(value, str) else '?'} characters)"
+    return f"{text[:limit]}... ({len(value) if isinstance(value, str) else len(text)} characters)"
 
 
 def untrusted_problem(value: Any) -> str | None:
