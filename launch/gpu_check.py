@@ -239,9 +239,9 @@ def run_training(args, cfg, report: Report) -> dict:
     seen: dict = {"rollouts": [], "engine": None}
     make_engine, rollout = trainer_mod.make_engine, trainer_mod.rollout
 
-    def timed_make_engine(policy, config, accelerator=None):
+    def timed_make_engine(policy, config, *rest, **kw):
         t0 = time.perf_counter()
-        engine = make_engine(policy, config, accelerator)
+        engine = make_engine(policy, config, *rest, **kw)
         seen["engine"], seen["engine_s"] = engine, time.perf_counter() - t0
         seen["start_adapter"] = gpu_checks.adapter_state(policy.model)  # check (b): the adapter before any update
         report.add("engine start", seen["engine_s"], True,
