@@ -224,6 +224,10 @@ class TrainSection:
     task_types: str = _help(
         "Train on these ALFWorld task types only (comma-separated, '' = all), e.g. a curriculum of the short "
         "ones: pick_and_place_simple,look_at_obj_in_light. The paper trains on all six.", "")
+    games_file: str = _help(
+        "Draw tasks from the games this file lists (one per line; `memexrl expert` writes DIR/games.txt, e.g. "
+        "the games where the expert needed memory) instead of split / game_order / task_types; num_games "
+        "still takes its first N. '' = off.", "")
     steps: int = _help("Rollout steps (the release: --num-rollout 3000; configs/release.yaml).", 50)
     tasks_per_step: int = _help("Distinct games per rollout step (release: 32).", 32)
     group_size: int = _help("G: rollouts per game, one GRPO group (release: 8).", 8)
@@ -325,6 +329,9 @@ class EvalSection:
     games: int = _help("Play N games, a deterministic subset stratified by task type (0: the whole split).", 0)
     task_types: str = _help("Only games of these task types (comma-separated, '' = all six, the release's test).",
                             "")
+    games_file: str = _help(
+        "Play the games this file lists (one per line, e.g. DIR/games.txt of `memexrl expert --split valid_unseen "
+        "--need-memory`) instead of split / task_types; games still takes its first N. '' = off.", "")
     agent: str = _help("memex, full, truncate, summary or m2 (rollout/strategies.py).", "memex")
     checkpoint: str = _help("Policy: a checkpoint dir (full, LoRA adapter, SFT/GRPO run dir) or model name; '' = model.name.",
                             "")

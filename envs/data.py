@@ -263,6 +263,47 @@ def resolve_game(spec: str | Path, data_dir: str | Path = "") -> Path:
     return path.resolve()
 
 
+GAMES_FILE = "games.txt"  # `memexrl expert` writes the kept demonstrations' games there
+
+
+def game_spec(game: str | Path, data_dir: str | Path = "") -> str:
+    """How a games file names `game`: its path relative to the ALFWorld data root when it lies under it (the
+    file then works wherever ALFWORLD_DATA points), else its absolute path."""
+    path = Path(game).resolve()
+    try:
+        return str(path.relative_to(data_root(data_dir).resolve()))
+    except ValueError:
+        return str(path)
+
+
+def read_games_file(path: str | Path, data_dir: str | Path = "") -> list[Path]:
+    """The games a games file lists, in its order: one per line, a path relative to the ALFWorld data root
+    (what `memexrl expert` writes), an absolute path or game directory, or SPLIT:INDEX; blank lines and
+    `#` comments are skipped. A missing or unreadable file, or a line that names no game, stops with the
+    line's number."""
+    file = Path(path).expanduser()
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise MemexError(f"cannot read the games file {file} ({getattr(e, 'strerror', None) or e}): "
+                         f"give a text file of games, one per line (`memexrl expert` writes DIR/{GAMES_FILE})") from None
+    root = data_root(data_dir)
+    games = []
+    for number, line in enumerate(lines, 1):
+        spec = line.split("#", 1)[0].strip()
+        if not spec:
+            continue
+        under_root = root / spec
+        try:
+            games.append(resolve_game(under_root if not Path(spec).is_absolute() and under_root.exists() else spec,
+                                      data_dir))
+        except MemexError as e:
+            raise MemexError(f"{file} line {number}: {e}") from None
+    if not games:
+        raise MemexError(f"the games file {file} lists no game")
+    return games
+
+
 def parse_task_types(csv: str) -> tuple[str, ...]:
     """Comma-separated ALFWorld task types ('' = all of them), checked against TASK_TYPES."""
     chosen = tuple(name.strip() for name in csv.split(",") if name.strip())

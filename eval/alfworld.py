@@ -24,7 +24,7 @@ from common.atomic import write_text_atomic
 from common.config import Config
 from common.errors import MemexError
 from common.trajectory import Trajectory, success_by_task_type
-from envs.data import ordered_games
+from envs.data import ordered_games, read_games_file
 from rollout.strategies import AgentSpec, make_agent
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,11 @@ def aggregate(trajs: list[Trajectory]) -> dict:
 
 def eval_games(cfg: Config) -> list[Path]:
     """The games: the whole split, or its first eval.games in task-type-stratified order (envs/data.py),
-    of eval.task_types only when set."""
-    games = ordered_games(cfg.eval.split, cfg.env.data_dir, "mixed", cfg.eval.task_types)
+    of eval.task_types only when set; or (the first eval.games of) those eval.games_file lists."""
+    if cfg.eval.games_file:
+        games = read_games_file(cfg.eval.games_file, cfg.env.data_dir)
+    else:
+        games = ordered_games(cfg.eval.split, cfg.env.data_dir, "mixed", cfg.eval.task_types)
     return games[: cfg.eval.games] if cfg.eval.games else games
 
 

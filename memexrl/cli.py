@@ -81,15 +81,16 @@ def cmd_replay(args: argparse.Namespace) -> None:
 # --- expert -------------------------------------------------------------------------------------
 def cmd_expert(args: argparse.Namespace) -> None:
     from common.config import load_config
+    from envs.data import GAMES_FILE
     from sft.demos import DEMOS_FILE, check_request, make_demonstrations, summary_text, write_demonstrations
 
     cfg = load_config(args.config, args.overrides)
     out = check_request(cfg, args.split, args.games, args.out)
     kept, report = make_demonstrations(cfg, args.split, args.games, args.workers, order=args.order,
-                                       task_types=args.task_types)
-    write_demonstrations(out, kept, report, cfg.model.name)
+                                       task_types=args.task_types, need_memory=args.need_memory)
+    write_demonstrations(out, kept, report, cfg.model.name, cfg.env.data_dir)
     print(summary_text(report))
-    print(f"{len(kept)} demonstrations written to {out / DEMOS_FILE}")
+    print(f"{len(kept)} demonstrations written to {out / DEMOS_FILE}, their games to {out / GAMES_FILE}")
 
 
 # --- sft ----------------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 # --- eval ---------------------------------------------------------------------------------------
 EVAL_FLAGS = {"checkpoint": "eval.checkpoint", "split": "eval.split", "games": "eval.games", "agent": "eval.agent",
-              "task_types": "eval.task_types", "out": "eval.output_dir"}
+              "task_types": "eval.task_types", "games_file": "eval.games_file", "out": "eval.output_dir"}
 
 
 def cmd_eval_alfworld(args: argparse.Namespace) -> None:
@@ -237,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sorted: the split's sorted order (grouped by task type); mixed: task types in turn")
     exp.add_argument("--task-types", default="",
                      help="comma-separated task types to play ('' = all), e.g. those of train.task_types")
+    exp.add_argument("--need-memory", action="store_true",
+                     help="keep only the wins that needed memory: >= 1 accepted compression and >= 1 read, every "
+                          "read a hit (a memory-needed game set for train.games_file / eval.games_file)")
     exp.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
     exp.set_defaults(func=cmd_expert)
 
@@ -276,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     alf_eval.add_argument("--split", default=None, help="train, valid_seen, valid_unseen or valid (eval.split)")
     alf_eval.add_argument("--games", type=non_negative_int, default=None, help="N games stratified by task type (eval.games)")
     alf_eval.add_argument("--task-types", default=None, help="comma-separated task types only (eval.task_types)")
+    alf_eval.add_argument("--games-file", default=None,
+                          help="play the games this file lists, e.g. DIR/games.txt of `memexrl expert` (eval.games_file)")
     alf_eval.add_argument("--agent", default=None, help="memex, full, truncate, summary or m2 (eval.agent)")
     alf_eval.add_argument("--out", default=None, help="output directory (eval.output_dir)")
     alf_eval.add_argument("overrides", nargs="*", help="config overrides, section.key=value")

@@ -4,6 +4,12 @@
 in the split's sorted order, through the env worker pool and the batched runner, keeps the
 successful episodes and reports how the expert did: success overall and per task type, steps,
 memory-tool use per episode, and the failures by end reason.
+
+`need_memory` (`memexrl expert --need-memory`) keeps only the wins that needed memory: at least one
+accepted compression and one read, every read a hit. With memory.threshold set so that the working
+context passes T in these games, that is the games in which a winning episode must compress and must
+read back what it archived (the room overview `look` gave once, where an object was seen): the game sets
+of configs/cpu-memory.yaml, for SFT, GRPO (train.games_file) and the held-out evaluation (eval.games_file).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from pathlib import Path
 from common.config import Config
 from common.errors import MemexError
 from common.trajectory import Trajectory, success_by_task_type
-from envs.data import list_games, ordered_games
+from envs.data import GAMES_FILE, game_spec, list_games, ordered_games
 from rewards import score_trajectories
 from rollout.runner import make_renderer, open_envs, run_episodes
 from sft.expert import MemexExpertEngine
@@ -55,6 +61,12 @@ def demo_report(trajs: list[Trajectory]) -> dict:
     }
 
 
+def needed_memory(traj: Trajectory) -> bool:
+    """Won with >= 1 accepted compression and >= 1 read, and no read that missed."""
+    misses = sum(1 for s in traj.steps if s.tool == "ReadExperience" and s.error is not None)
+    return traj.success and traj.stats["num_compress"] >= 1 and traj.stats["num_read"] >= 1 and not misses
+
+
 def run_expert(
     cfg: Config, games: list, tokenizer, workers: int | None = None, *, store_factory=None, progress: bool = False
 ) -> tuple[list[Trajectory], MemexExpertEngine]:
@@ -86,9 +98,11 @@ def make_demonstrations(
     progress: bool = True,
     order: str = "sorted",
     task_types: str = "",
+    need_memory: bool = False,
 ) -> tuple[list[Trajectory], dict]:
     """Play the Memex expert on the first `n_games` games of `split` (in `order`, of `task_types` only when
-    given: see `ordered_games`); return (successful trajectories, report).
+    given: see `ordered_games`); return (successful trajectories, report). `need_memory`: only the wins that
+    needed memory (`needed_memory`), counted in the report.
 
     `tokenizer` defaults to the config's policy tokenizer (`modeling.load.load_tokenizer(cfg.model)`).
     """
@@ -110,7 +124,12 @@ def make_demonstrations(
         "detours": dict(engine.detours),  # untrained off-plan moves by kind (sft/detours.py)
         "seconds": round(time.perf_counter() - start, 1),
     }
-    return [t for t in trajs if t.success], report
+    kept = [t for t in trajs if (needed_memory(t) if need_memory else t.success)]
+    if need_memory:
+        report["need_memory"] = {"kept": len(kept), "dropped_wins": report["n_success"] - len(kept),
+                                 **{k: v for k, v in demo_report(kept).items()
+                                    if k in ("mean_steps", "compress_per_episode", "read_per_episode")}}
+    return kept, report
 
 
 # --- the `memexrl expert` command --------------------------------------------------------------------
@@ -129,11 +148,14 @@ def check_request(cfg: Config, split: str, n_games: int, out_dir: str | Path) ->
     return out
 
 
-def write_demonstrations(out_dir: Path, kept: list[Trajectory], report: dict, tokenizer_name: str) -> None:
-    """DIR/demos.jsonl (one trajectory per line, with token ids, masks and messages) and DIR/report.json."""
+def write_demonstrations(out_dir: Path, kept: list[Trajectory], report: dict, tokenizer_name: str,
+                         data_dir: str = "") -> None:
+    """DIR/demos.jsonl (one trajectory per line, with token ids, masks and messages), DIR/games.txt (their
+    games, relative to the ALFWorld data root: train.games_file / eval.games_file) and DIR/report.json."""
     with open(out_dir / DEMOS_FILE, "w") as f:
         for traj in kept:
             f.write(json.dumps({**traj.to_json(with_tokens=True), "tokenizer": tokenizer_name}) + "\n")
+    (out_dir / GAMES_FILE).write_text("".join(game_spec(t.game, data_dir) + "\n" for t in kept))
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
 
 
@@ -149,6 +171,11 @@ def summary_text(report: dict) -> str:
         f"mean steps {report['mean_steps']:.1f}; per episode: compress {report['compress_per_episode']:.2f}, "
         f"read {report['read_per_episode']:.2f} (demos with a read: {100 * report['demos_with_read']:.0f}%)",
     ]
+    if "need_memory" in report:
+        m = report["need_memory"]
+        lines.append(f"needed memory (>= 1 compression, >= 1 read, all hits): {m['kept']} kept, {m['dropped_wins']} "
+                     f"wins dropped; kept: {m['mean_steps']:.1f} steps, compress {m['compress_per_episode']:.2f}, "
+                     f"read {m['read_per_episode']:.2f} per episode")
     if report["failures_by_end_reason"]:
         lines.append("failures: " + ", ".join(f"{k} {v}" for k, v in report["failures_by_end_reason"].items()))
     return "\n".join(lines)

@@ -301,3 +301,34 @@ def test_without_milestone_compression_only_past_the_warning(alfworld_data, tmp_
                 assert answers_rejected or before["working_tokens"] > 0.8 * 1000, (demo["game"], before)
                 assert "a good point to compress" not in step["assistant"]  # the thought gives W's reason
     assert takes >= 3  # every won game of these types takes its object: the check above is not vacuous
+
+
+@pytest.mark.slow
+def test_need_memory_keeps_the_wins_that_compressed_and_read_and_names_their_games(alfworld_data, tmp_path):
+    """`memexrl expert --need-memory` (configs/cpu-memory.yaml's game sets): every kept demonstration has an
+    accepted compression and a read, every read a hit; games.txt lists their games relative to the data root,
+    and train.games_file / eval.games_file draw exactly those games."""
+    from envs.data import read_games_file
+    from eval.alfworld import eval_games
+    from training.state import task_pool
+
+    out = tmp_path / "memory"
+    types = "pick_and_place_simple,look_at_obj_in_light"
+    assert main(["expert", "--split", "valid_seen", "--games", "5", "--task-types", types, "--need-memory",
+                 "--out", str(out), "--workers", "1", "--config", "configs/cpu-memory.yaml",
+                 f"env.data_dir={alfworld_data}"]) == 0  # fmt: skip
+    report = json.loads((out / "report.json").read_text())
+    demos = [json.loads(line) for line in (out / "demos.jsonl").read_text().splitlines()]
+    assert report["need_memory"]["kept"] == len(demos) >= 1
+    assert report["need_memory"]["dropped_wins"] == report["n_success"] - len(demos) >= 1  # short wins dropped
+    for demo in demos:
+        compressions = [s for s in demo["steps"] if s["tool"] == COMPRESS and s["compressed"]]
+        reads = [s for s in demo["steps"] if s["tool"] == READ]
+        assert compressions and reads and all(s["error"] is None for s in reads)
+    lines = (out / "games.txt").read_text().splitlines()
+    assert all(line.startswith("json_2.1.1/valid_seen/") for line in lines)
+    games = read_games_file(out / "games.txt", alfworld_data)
+    assert [str(g) for g in games] == [demo["game"] for demo in demos]
+    cfg = load_config("configs/cpu-memory.yaml", [f"env.data_dir={alfworld_data}", f"eval.games_file={out / 'games.txt'}"])
+    assert eval_games(cfg) == games
+    assert task_pool("train", 0, "sorted", alfworld_data, "", str(out / "games.txt")) == [str(g) for g in games]

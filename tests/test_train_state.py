@@ -84,6 +84,34 @@ def test_task_pool_of_chosen_task_types_keeps_the_demonstrated_games(alfworld_da
         task_pool("train", 8, "mixed", alfworld_data, "pick_and_boil")
 
 
+def test_a_games_file_names_the_pool_wherever_the_data_lies(alfworld_data, tmp_path):
+    """train.games_file / eval.games_file: paths relative to the data root (what `memexrl expert` writes, so
+    the file works wherever ALFWORLD_DATA points), absolute paths and SPLIT:INDEX, in the file's order,
+    comments and blank lines skipped; num_games takes the first N; a line naming no game, an empty file or a
+    binary one stops with one message naming the file (and the line)."""
+    from envs.data import game_spec, list_games, read_games_file
+
+    valid = list_games("valid_seen", alfworld_data)
+    relative = game_spec(valid[3], alfworld_data)
+    assert not relative.startswith("/") and relative.startswith("json_2.1.1/valid_seen/")
+    games = tmp_path / "games.txt"
+    games.write_text(f"# memory games\n{relative}\n\n{valid[0]}  # absolute\nvalid_seen:5\n")
+    assert read_games_file(games, alfworld_data) == [valid[3], valid[0], valid[5]]
+    assert task_pool("train", 2, "sorted", alfworld_data, "", str(games)) == [str(valid[3]), str(valid[0])]
+    assert task_pool("train", 0, "sorted", alfworld_data, "", str(games)) == [str(g) for g in (valid[3], valid[0], valid[5])]
+    games.write_text(f"{relative}\njson_2.1.1/valid_seen/no-such-game\n")
+    with pytest.raises(MemexError, match=r"games.txt line 2: no ALFWorld game"):
+        read_games_file(games, alfworld_data)
+    games.write_text("# nothing\n\n")
+    with pytest.raises(MemexError, match="lists no game"):
+        read_games_file(games, alfworld_data)
+    games.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(MemexError, match="cannot read the games file"):
+        read_games_file(games, alfworld_data)
+    with pytest.raises(MemexError, match="cannot read the games file"):
+        read_games_file(tmp_path / "missing.txt", alfworld_data)
+
+
 def test_checkpoint_round_trip_restores_optimizer_scheduler_and_rng(tmp_path):
     opt, sched = _optimizer()
     random.seed(5), np.random.seed(5), torch.manual_seed(5)

@@ -45,12 +45,14 @@ DEEPSPEED_DIR = "deepspeed"  # the engine's checkpoint (optimizer shards) inside
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def task_pool(split: str, num_games: int, order: str, data_dir: str = "", task_types: str = "") -> list[str]:
+def task_pool(split: str, num_games: int, order: str, data_dir: str = "", task_types: str = "",
+              games_file: str = "") -> list[str]:
     """The games GRPO draws its tasks from: the first `num_games` (0: all) of the split in `order`, of
-    `task_types` only (comma-separated; '' = all)."""
-    from envs.data import ordered_games
+    `task_types` only (comma-separated; '' = all), or of the games `games_file` lists when given."""
+    from envs.data import ordered_games, read_games_file
 
-    games = [str(g) for g in ordered_games(split, data_dir, order, task_types)]
+    games = [str(g) for g in (read_games_file(games_file, data_dir) if games_file
+                              else ordered_games(split, data_dir, order, task_types))]
     return games[:num_games] if num_games else games
 
 

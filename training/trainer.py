@@ -219,13 +219,15 @@ class Trainer:
         if t.tasks_per_step % world or t.global_batch_size % world:
             raise MemexError(f"train.tasks_per_step ({t.tasks_per_step}) and train.global_batch_size "
                              f"({t.global_batch_size}) must be multiples of the {world} processes")
+        # the games first: a bad train.games_file stops before --overwrite clears anything
+        pool = task_pool(t.split, t.num_games, t.game_order, cfg.env.data_dir, t.task_types, t.games_file)
         checkpoint = find_checkpoint(self.run_dir, resume) if resume else None
         if checkpoint is None and refuse_to_mix(self.run_dir, overwrite):
             if self.accelerator.is_main_process:
                 clear_run(self.run_dir)
             self.accelerator.wait_for_everyone()
         seed_everything(cfg.seed)
-        self.sampler = TaskSampler(task_pool(t.split, t.num_games, t.game_order, cfg.env.data_dir, t.task_types), cfg.seed)
+        self.sampler = TaskSampler(pool, cfg.seed)
         export = self.run_dir / "base" if cfg.rollout.engine == "vllm" and not cfg.rollout.vllm_model else None
         if export is not None and self.accelerator.is_main_process:
             export.mkdir(parents=True, exist_ok=True)
