@@ -197,7 +197,9 @@ class SFTSection:
         "auto",
     )
     logging_steps: int = _help("Log metrics every N optimizer steps.", 5)
-    save_steps: int = _help("Checkpoint every N optimizer steps (the last step is always saved).", 200)
+    save_steps: int = _help(
+        "Checkpoint every N optimizer steps (the last step is always saved), and the resume point of "
+        "`memexrl sft --resume` (optimizer and schedule too).", 200)
     eval_steps: int = _help("Validation loss every N steps (0: only at the end).", 0)
     gradient_checkpointing: bool = _help("Trade compute for memory (large models on GPUs).", False)
     bf16: bool = _help("bfloat16 mixed precision (GPUs; the CPU trains in float32).", False)

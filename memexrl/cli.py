@@ -104,7 +104,7 @@ def cmd_sft(args: argparse.Namespace) -> None:
         from envs.data import list_games
 
         list_games(cfg.sft.check_split, cfg.env.data_dir)
-    checkpoint = run_sft(cfg)
+    checkpoint = run_sft(cfg, resume=args.resume)
     print(f"SFT checkpoint: {checkpoint}")
     if cfg.sft.check_games > 0:
         report = post_sft_check(cfg, checkpoint, cfg.sft.output_dir)
@@ -246,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sft = sub.add_parser("sft", help="SFT warm start on Memex demonstrations (TRL), then a quick check")
     sft.add_argument("--config", required=True, help="YAML config (e.g. configs/tiny-cpu.yaml)")
+    sft.add_argument("--resume", action="store_true",
+                     help="continue the run in sft.output_dir from its newest checkpoint (written every sft.save_steps)")
     sft.add_argument("overrides", nargs="*", help="config overrides, section.key=value (e.g. sft.demos=...)")
     sft.set_defaults(func=cmd_sft)
 

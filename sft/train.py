@@ -5,12 +5,19 @@ LoRA through PEFT or full fine-tuning, packing off. Runs on the CPU (`use_cpu`, 
 unchanged, on GPUs under `accelerate launch` / DeepSpeed (`sft.deepspeed`). Writes the run
 directory of design.md: config.yaml (resolved), metrics.jsonl, checkpoints/step-N (adapter or
 full model in HF format, written to a temp dir and renamed), wandb/ (offline unless logged in).
+
+Resumable (`memexrl sft --resume`): every `sft.save_steps` the HF Trainer also writes its own
+checkpoint (weights, optimizer, scheduler, RNG; the newest one only) to RUN/trainer/checkpoint-N;
+a resumed run continues from the newest complete one (its trainer_state.json is written last) with
+the same data order and schedule, and metrics.jsonl keeps each step once.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +28,7 @@ from modeling.load import load_policy, resolve_device
 from modeling.lora import lora_config
 from sft.dataset import build_dataset
 from training.log import import_wandb
-from training.state import STATE_FILE, publish, staging_dir
+from training.state import STATE_FILE, publish, staging_dir, trim_metrics
 
 log = logging.getLogger(__name__)
 
@@ -66,18 +73,39 @@ def prepare_run_dir(cfg: Config, run_dir: Path) -> None:
     """A fresh run directory with the resolved config (an earlier run's files are replaced)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "trainer", ignore_errors=True)  # an earlier run's resume points
     cfg.save(run_dir / "config.yaml")
 
 
-def run_sft(cfg: Config) -> Path:
-    """Train, checkpoint and return the final checkpoint directory."""
+def resume_point(run_dir: Path) -> Path:
+    """The newest complete HF Trainer checkpoint of the run (RUN/trainer/checkpoint-N with its
+    trainer_state.json, which the Trainer writes last), for `memexrl sft --resume`."""
+    found = []
+    for path in (run_dir / "trainer").glob("checkpoint-*"):
+        match = re.fullmatch(r"checkpoint-(\d+)", path.name)
+        if match and (path / "trainer_state.json").is_file():
+            found.append((int(match.group(1)), path))
+    if not found:
+        raise MemexError(f"{run_dir} has no SFT checkpoint to resume (RUN/trainer/checkpoint-N, written every "
+                         f"sft.save_steps): start the run without --resume")
+    return max(found)[1]
+
+
+def run_sft(cfg: Config, resume: bool = False) -> Path:
+    """Train (from the newest resume point with `resume`), checkpoint and return the final checkpoint directory."""
     from trl import SFTConfig, SFTTrainer
 
     s = cfg.sft
     if not s.demos:
         raise MemexError("sft.demos is not set: point it at demos.jsonl from `memexrl expert --out DIR`")
     run_dir = Path(s.output_dir)
-    prepare_run_dir(cfg, run_dir)
+    if resume:
+        start = resume_point(run_dir)
+        trim_metrics(run_dir / "metrics.jsonl", int(start.name.split("-")[1]))
+        log.info("resuming the SFT run %s from %s", run_dir, start)
+    else:
+        start = None
+        prepare_run_dir(cfg, run_dir)
     seed_everything(cfg.seed)
     data = build_dataset(s.demos, s.validation_fraction, s.max_length, s.task_types)
     model, tokenizer = load_policy(cfg.model, for_training=True)
@@ -99,7 +127,9 @@ def run_sft(cfg: Config) -> Path:
         gradient_accumulation_steps=s.gradient_accumulation_steps,
         gradient_checkpointing=s.gradient_checkpointing,
         logging_steps=s.logging_steps,
-        save_strategy="no",  # our callback writes atomic checkpoints into RUN/checkpoints/
+        save_strategy="steps",  # the Trainer's own resume point (RUN/trainer/); our callback writes the
+        save_steps=s.save_steps,  # atomic checkpoints into RUN/checkpoints/
+        save_total_limit=1,
         eval_strategy=("steps" if s.eval_steps else "no") if has_val else "no",
         eval_steps=s.eval_steps or None,
         max_length=s.max_length,
@@ -122,7 +152,7 @@ def run_sft(cfg: Config) -> Path:
         peft_config=peft_config,
         callbacks=_callbacks(run_dir, s.save_steps, tokenizer),
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=str(start) if start else None)
     if has_val:
         metrics = trainer.evaluate()
         with open(run_dir / "metrics.jsonl", "a") as f:
