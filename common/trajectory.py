@@ -97,6 +97,9 @@ class Trajectory:
             "num_steps": len(self.steps),
             "num_compress": sum(s.compressed for s in self.steps),
             "num_read": sum(1 for s in self.steps if s.tool == "ReadExperience" and s.error is None),
+            # a CompressExperience the tool or the argument checks refused (the context stayed as it was)
+            "num_compress_rejected": sum(1 for s in self.steps if s.tool == "CompressExperience" and not s.compressed),
+            "num_read_miss": sum(1 for s in self.steps if s.tool == "ReadExperience" and s.error is not None),
             "num_redundant": sum(s.redundant for s in self.steps),
             "num_format_errors": sum(s.format_error for s in self.steps),
         }

@@ -48,7 +48,10 @@ def aggregate(trajs: list[Trajectory]) -> dict:
         "peak_working_tokens_mean": _mean(s["peak_working_tokens"] for s in stats),
         "peak_working_tokens_max": max((s["peak_working_tokens"] for s in stats), default=0),
         "num_compress_mean": _mean(s["num_compress"] for s in stats),
+        "num_compress_rejected_mean": _mean(s["num_compress_rejected"] for s in stats),
         "num_read_mean": _mean(s["num_read"] for s in stats),
+        "num_read_miss_mean": _mean(s["num_read_miss"] for s in stats),
+        "num_segments_mean": _mean(len(t.segments) for t in trajs),
         "num_redundant_mean": _mean(s["num_redundant"] for s in stats),
         "num_format_errors_mean": _mean(s["num_format_errors"] for s in stats),
         "num_steps_mean": _mean(s["num_steps"] for s in stats),
@@ -171,7 +174,9 @@ def summary_line(result: dict) -> str:
     """The printed one-line summary."""
     return (f"{result['agent']} on {result['n_games']} {result['split']} games: success "
             f"{100 * result['success_rate']:.1f}%, peak working tokens {result['peak_working_tokens_mean']:.0f}, "
-            f"compress {result['num_compress_mean']:.2f} / read {result['num_read_mean']:.2f} per episode, "
+            f"compress {result['num_compress_mean']:.2f} (rejected {result['num_compress_rejected_mean']:.2f}) / read "
+            f"{result['num_read_mean']:.2f} (missed {result['num_read_miss_mean']:.2f}) per episode, "
+            f"{result['num_segments_mean']:.2f} segments, "
             f"reward {result['reward_mean']:.3f}"
             + (f"; {result['n_crashed']} crashed (not the policy's fault: see episodes.jsonl)" if result.get("n_crashed")
                else ""))

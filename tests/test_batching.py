@@ -39,6 +39,19 @@ def test_segments_share_the_advantage_and_each_trajectory_weighs_the_same():
     assert samples[1].rollout_logprobs[5:] == [-0.5] * 10 + [0.0, 0.0]
 
 
+def test_segment_metrics_count_what_was_trained_after_a_compression():
+    """segments_per_update and later_segment_token_share (metrics.jsonl): by hand, two updates holding the
+    4 segments of a 3-segment and a 1-segment trajectory (30 + 10 + 10 + 10 trained tokens)."""
+    from training.log import segment_metrics
+
+    trajs = [_traj(1.0, [(5, 30)]), _traj(0.0, [(5, 10), (6, 10), (4, 10)])]
+    samples = build_samples(trajs, [1.0, -1.0], [True, True], "trajectory")
+    assert [(s.trajectory, s.segment) for s in samples] == [(0, 0), (1, 0), (1, 1), (1, 2)]
+    metrics = segment_metrics([samples[:3], samples[3:]])
+    assert metrics == {"num_samples": 4, "segments_per_update": 2.0, "later_segment_token_share": pytest.approx(20 / 60)}
+    assert segment_metrics([])["later_segment_token_share"] == 0.0
+
+
 def test_batch_normalisation_switch_counts_segments():
     trajs = [_traj(1.0, [(5, 3)] * 3), _traj(0.0, [(5, 3)])]
     group_adv, _ = advantages_for(trajs, [0, 0], "group", 0.0)

@@ -9,7 +9,7 @@ import json  # noqa: E402
 import pytest  # noqa: E402
 
 from common.config import load_config  # noqa: E402
-from common.trajectory import Step, Trajectory  # noqa: E402
+from common.trajectory import Segment, Step, Trajectory  # noqa: E402
 from envs.data import TASK_TYPES, task_type_of  # noqa: E402
 from eval.alfworld import RESULT_FILE, aggregate, eval_games  # noqa: E402
 from eval.m2_insights import InsightBank, distill, strip_ids  # noqa: E402
@@ -28,24 +28,29 @@ def test_stratified_subset_is_deterministic(alfworld_data):
     assert [task_type_of(g) for g in two_types] == ["pick_heat_then_place_in_recep", "pick_two_obj_and_place"] * 3
 
 
-def traj(task_type, success, peak, compress=0, read=0, total=0.0):
+def traj(task_type, success, peak, compress=0, read=0, total=0.0, rejected=0, missed=0):
     t = Trajectory(game=f"g-{task_type}-{peak}", task_type=task_type, goal="", success=success,
                    reward={"total": total}, end_reason="env_done" if success else "step_limit")
     t.steps = [Step("a", "execute_action", {"action": "look"}, False, None, "o", peak)]
     t.steps += [Step("c", "CompressExperience", {}, False, None, "s", 10, compressed=True)] * compress
+    t.steps += [Step("c", "CompressExperience", {}, False, "anchor not found", "e", 10)] * rejected
     t.steps += [Step("r", "ReadExperience", {"db_index": "x"}, False, None, "b", 20)] * read
+    t.steps += [Step("r", "ReadExperience", {"db_index": "y"}, False, "no index 'y'", "e", 20)] * missed
+    t.segments = [Segment(first_step=0, prompt_ids=[1]) for _ in range(compress + 1)]
     return t
 
 
 def test_aggregate_by_hand():
-    result = aggregate([traj("pick_and_place_simple", True, 1000, compress=2, read=1, total=1.0),
-                        traj("pick_and_place_simple", False, 3000, total=-0.5),
+    result = aggregate([traj("pick_and_place_simple", True, 1000, compress=2, read=1, total=1.0, missed=2),
+                        traj("pick_and_place_simple", False, 3000, total=-0.5, rejected=3),
                         traj("look_at_obj_in_light", True, 500, compress=1, total=0.9)])
     assert result["n_games"] == 3 and result["success_rate"] == pytest.approx(2 / 3, abs=1e-4)
     assert result["by_task_type"] == {"look_at_obj_in_light": {"games": 1, "success": 1, "success_rate": 1.0},
                                       "pick_and_place_simple": {"games": 2, "success": 1, "success_rate": 0.5}}
     assert result["peak_working_tokens_mean"] == 1500 and result["peak_working_tokens_max"] == 3000
     assert result["num_compress_mean"] == 1.0 and result["num_read_mean"] == pytest.approx(1 / 3, abs=1e-4)
+    assert result["num_compress_rejected_mean"] == 1.0 and result["num_read_miss_mean"] == pytest.approx(2 / 3, abs=1e-4)
+    assert result["num_segments_mean"] == 2.0  # 3, 1 and 2 segments: a segment per accepted compression, plus one
     assert result["reward_mean"] == pytest.approx(0.4667, abs=1e-4)
     assert result["end_reasons"] == {"env_done": 2, "step_limit": 1}
 

@@ -28,6 +28,7 @@ class SegmentSample:
     advantage: float  # the trajectory's advantage, broadcast to its tokens
     weight: float  # aggregation weight of each trained token (grpo.token_weights)
     trajectory: int  # index of the trajectory in the step's rollout batch
+    segment: int = 0  # index of the segment in its trajectory (0: the one before the first compression)
     old_logprobs: list[float] | None = None  # trainer log-probs before the update (per predicted token)
     ref_logprobs: list[float] | None = None
 
@@ -93,7 +94,7 @@ def build_samples(trajs: list[Trajectory], advantages: list[float], keep: list[b
     for i, traj in enumerate(trajs):
         if not keep[i]:
             continue
-        for seg in traj.segments:
+        for j, seg in enumerate(traj.segments):
             if seg.trained_tokens == 0:
                 continue
             samples.append(SegmentSample(
@@ -103,6 +104,7 @@ def build_samples(trajs: list[Trajectory], advantages: list[float], keep: list[b
                 advantage=advantages[i],
                 weight=0.0,
                 trajectory=i,
+                segment=j,
             ))
     set_weights(samples, loss_agg, weight_scale)
     return samples

@@ -3,7 +3,12 @@
 metrics.jsonl, one object per rollout step (design.md "Run directory"):
   rollout   success_rate, reward_mean, penalty_context, penalty_redundancy, penalty_format,
             num_steps, num_redundant (means over played episodes), num_crashed (episodes lost to a fault)
-  memory    peak_working_tokens, num_compress, num_read, num_segments (means per trajectory)
+  memory    peak_working_tokens, num_compress, num_read, num_segments (means per trajectory),
+            num_compress_rejected (CompressExperience calls the tool refused), num_read_miss (reads of an
+            index the store does not hold)
+  segments  num_samples (segments trained this step, this process), segments_per_update, and
+            later_segment_token_share: the share of trained tokens in segments after the first, i.e.
+            generated from a compressed context (0 when no rollout compressed)
   loss      loss (aggregated objective), pg_loss, kl (k3 to the reference), approx_kl (to the rollout
             policy, CleanRL's), entropy, clip_frac, tis_clip_frac
             (shares of trained tokens), zero_std_group_frac (dropped groups), grad_norm, lr
@@ -34,6 +39,8 @@ WANDB_NAMES = {
     "penalty_format": "reward/format_penalty", "num_steps": "rollout/num_steps",
     "num_redundant": "rollout/num_redundant", "peak_working_tokens": "memory/peak_working_tokens",
     "num_compress": "memory/num_compress", "num_read": "memory/num_read", "num_segments": "memory/num_segments",
+    "num_compress_rejected": "memory/num_compress_rejected", "num_read_miss": "memory/num_read_miss",
+    "segments_per_update": "charts/segments_per_update", "later_segment_token_share": "charts/later_segment_token_share",
     "loss": "loss/total", "pg_loss": "loss/policy", "kl": "loss/kl", "approx_kl": "loss/approx_kl",
     "entropy": "loss/entropy",
     "clip_frac": "loss/clip_frac", "tis_clip_frac": "loss/tis_clip_frac",
@@ -47,11 +54,12 @@ def _per_trajectory(traj: Trajectory) -> list[float]:
     s, r = traj.stats, traj.reward
     return [float(traj.success), r["total"], r["context"], r["redundancy"], r["format"], s["num_steps"],
             s["num_redundant"], s["peak_working_tokens"], s["num_compress"], s["num_read"], len(traj.segments),
-            float(traj.crashed)]
+            s["num_compress_rejected"], s["num_read_miss"], float(traj.crashed)]
 
 
 _ROLLOUT_KEYS = ["success_rate", "reward_mean", "penalty_context", "penalty_redundancy", "penalty_format",
-                 "num_steps", "num_redundant", "peak_working_tokens", "num_compress", "num_read", "num_segments"]
+                 "num_steps", "num_redundant", "peak_working_tokens", "num_compress", "num_read", "num_segments",
+                 "num_compress_rejected", "num_read_miss"]
 
 
 def rollout_metrics(trajs: list[Trajectory], accelerator=None) -> dict[str, float]:
@@ -68,6 +76,14 @@ def rollout_metrics(trajs: list[Trajectory], accelerator=None) -> dict[str, floa
     played = rows[~crashed, :-1]
     means = played.mean(dim=0).tolist() if len(played) else [0.0] * len(_ROLLOUT_KEYS)
     return {**dict(zip(_ROLLOUT_KEYS, means)), "num_crashed": int(crashed.sum())}
+
+
+def segment_metrics(per_update: list[list]) -> dict[str, float]:
+    """How much of a step's training is on segments (this process's SegmentSample lists, one per update)."""
+    every = [s for samples in per_update for s in samples]
+    tokens = sum(s.trained_tokens for s in every)
+    return {"num_samples": len(every), "segments_per_update": len(every) / max(1, len(per_update)),
+            "later_segment_token_share": sum(s.trained_tokens for s in every if s.segment > 0) / max(1, tokens)}
 
 
 def transcript(messages: list[dict], limit: int = 4000) -> str:

@@ -55,7 +55,7 @@ from training.batching import (
     set_weights,
     untied_groups,
 )
-from training.log import RunLogger, rollout_metrics
+from training.log import RunLogger, rollout_metrics, segment_metrics
 from training.policy import Policy, load_policy_for_grpo
 from training.state import (
     DEEPSPEED_DIR,
@@ -320,7 +320,7 @@ class Trainer:
                 s.weight *= scale
         every = [s for samples in per_update for s in samples]
         self.fill_logprobs(every)
-        metrics["num_samples"] = len(every)
+        metrics.update(segment_metrics(per_update))
         return per_update, advantages
 
     def segment_minibatches(self, samples: list, step: int) -> list[list]:
