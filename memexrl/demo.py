@@ -98,9 +98,9 @@ def stage_expert(demo: Demo, where: Path) -> dict:
     kept, report = make_demonstrations(demo.cfg, d.expert_split, d.expert_games)
     if not kept:
         raise MemexError(f"the expert won none of {d.expert_games} {d.expert_split} games: raise demo.expert_games")
-    write_demonstrations(where, kept, report, demo.cfg.model.name)
+    write_demonstrations(where, kept, report, demo.cfg.model.name, demo.cfg.env.data_dir)
     keys = ("n_games", "n_success", "success_rate", "mean_steps", "compress_per_episode", "read_per_episode")
-    return {k: report[k] for k in keys}
+    return {**{k: report[k] for k in keys}, "segments_per_episode": sum(len(t.segments) for t in kept) / len(kept)}
 
 
 def stage_sft(demo: Demo, where: Path) -> dict:
@@ -125,7 +125,8 @@ def stage_grpo(demo: Demo, where: Path) -> dict:
     cfg.train.init_checkpoint = str(demo.dir("sft"))
     cfg.train.output_dir = str(where)
     checkpoint = train(cfg)
-    keys = ("step", "success_rate", "reward_mean", "peak_working_tokens", "num_compress", "num_read", "loss")
+    keys = ("step", "success_rate", "reward_mean", "peak_working_tokens", "num_compress", "num_read", "num_segments",
+            "segments_per_update", "later_segment_token_share", "loss")
     return {"checkpoint": str(checkpoint),
             "steps": [{k: r.get(k) for k in keys} for r in read_metrics(where / "metrics.jsonl") if "reward_mean" in r]}
 
@@ -145,8 +146,8 @@ def stage_eval(demo: Demo, where: Path) -> dict:
             cfg.env.max_steps = d.eval_max_steps or cfg.env.max_steps
             r = evaluate(cfg)
             results[f"{policy}-{agent}"] = {k: r[k] for k in (
-                "n_games", "success_rate", "peak_working_tokens_mean", "num_compress_mean", "num_read_mean",
-                "reward_mean")}
+                "n_games", "success_rate", "peak_working_tokens_mean", "num_compress_mean", "num_compress_rejected_mean",
+                "num_read_mean", "num_read_miss_mean", "num_segments_mean", "reward_mean")}
     compare(where / "compare", [where / name for name in results])
     return {"results": results}
 

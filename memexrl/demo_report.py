@@ -69,9 +69,11 @@ def write_report(demo: Demo, where: Path, stages: tuple[str, ...]) -> Path:
     e = done["expert"]
     parts += [
         f"## 1. Memex expert demonstrations ({d.expert_split})\n",
-        table(["games", "won (kept)", "success", "mean steps", "compress / episode", "read / episode"],
+        table(["games", "won (kept)", "success", "mean steps", "compress / episode", "read / episode",
+               "segments / episode"],
               [[e.get("n_games"), e.get("n_success"), _pct(e.get("success_rate")), _fmt(e.get("mean_steps"), 1),
-                _fmt(e.get("compress_per_episode"), 2), _fmt(e.get("read_per_episode"), 2)]]),
+                _fmt(e.get("compress_per_episode"), 2), _fmt(e.get("read_per_episode"), 2),
+                _fmt(e.get("segments_per_episode"), 2)]]),
     ]
     s = done["sft"]
     parts += [
@@ -83,10 +85,15 @@ def write_report(demo: Demo, where: Path, stages: tuple[str, ...]) -> Path:
     g = done["grpo"]
     parts += [
         "## 3. GRPO (segments, R = task − context − redundancy − format penalties)\n",
-        table(["step", "success", "reward", "peak W", "compress", "read", "loss"],
+        "Per rollout step (means per trajectory): its segments are what GRPO trains on, each with the context "
+        "it was generated from; the last columns count the segments per optimizer step and the share of trained "
+        "tokens generated after a compression.\n",
+        table(["step", "success", "reward", "peak W", "compress", "read", "segments", "segments / update",
+               "tokens after 1st segment", "loss"],
               [[r.get("step"), _pct(r.get("success_rate")), _fmt(r.get("reward_mean")),
                 _fmt(r.get("peak_working_tokens"), 0), _fmt(r.get("num_compress"), 2), _fmt(r.get("num_read"), 2),
-                _fmt(r.get("loss"), 4)] for r in g.get("steps", [])]),
+                _fmt(r.get("num_segments"), 2), _fmt(r.get("segments_per_update"), 1),
+                _pct(r.get("later_segment_token_share")), _fmt(r.get("loss"), 4)] for r in g.get("steps", [])]),
         images(copy_plots(demo.dir("grpo"), where, "grpo"), out),
     ]
     compare_png = demo.dir("eval") / "compare" / "compare.png"
@@ -96,9 +103,11 @@ def write_report(demo: Demo, where: Path, stages: tuple[str, ...]) -> Path:
         shutil.copyfile(compare_png, shown[0])
     parts += [
         f"## 4. ALFWorld evaluation ({d.eval_games} {d.eval_split} games, greedy)\n",
-        table(["policy-agent", "success", "peak W", "compress", "read", "reward"],
-              [[name, _pct(r["success_rate"]), _fmt(r["peak_working_tokens_mean"], 0), _fmt(r["num_compress_mean"], 2),
-                _fmt(r["num_read_mean"], 2), _fmt(r["reward_mean"])]
+        table(["policy-agent", "success", "peak W", "compress (rejected)", "read (missed)", "segments", "reward"],
+              [[name, _pct(r["success_rate"]), _fmt(r["peak_working_tokens_mean"], 0),
+                f"{_fmt(r['num_compress_mean'], 2)} ({_fmt(r.get('num_compress_rejected_mean'), 2)})",
+                f"{_fmt(r['num_read_mean'], 2)} ({_fmt(r.get('num_read_miss_mean'), 2)})",
+                _fmt(r.get("num_segments_mean"), 2), _fmt(r["reward_mean"])]
                for name, r in done["eval"].get("results", {}).items()]),
         images(shown, out),
     ]
