@@ -63,8 +63,8 @@ def demo_report(trajs: list[Trajectory]) -> dict:
 
 def needed_memory(traj: Trajectory) -> bool:
     """Won with >= 1 accepted compression and >= 1 read, and no read that missed."""
-    misses = sum(1 for s in traj.steps if s.tool == "ReadExperience" and s.error is not None)
-    return traj.success and traj.stats["num_compress"] >= 1 and traj.stats["num_read"] >= 1 and not misses
+    stats = traj.stats
+    return traj.success and stats["num_compress"] >= 1 and stats["num_read"] >= 1 and stats["num_read_miss"] == 0
 
 
 def run_expert(
