@@ -99,8 +99,9 @@ def stage_expert(demo: Demo, where: Path) -> dict:
     if not kept:
         raise MemexError(f"the expert won none of {d.expert_games} {d.expert_split} games: raise demo.expert_games")
     write_demonstrations(where, kept, report, demo.cfg.model.name, demo.cfg.env.data_dir)
-    keys = ("n_games", "n_success", "success_rate", "mean_steps", "compress_per_episode", "read_per_episode")
-    return {**{k: report[k] for k in keys}, "segments_per_episode": sum(len(t.segments) for t in kept) / len(kept)}
+    keys = ("n_games", "n_success", "success_rate", "mean_steps", "compress_per_episode", "read_per_episode",
+            "segments_per_episode")
+    return {k: report[k] for k in keys}
 
 
 def stage_sft(demo: Demo, where: Path) -> dict:

@@ -53,6 +53,7 @@ def demo_report(trajs: list[Trajectory]) -> dict:
         "mean_steps_all": _mean([t.stats["num_steps"] for t in trajs]),
         "compress_per_episode": _mean([s["num_compress"] for s in stats]),
         "read_per_episode": _mean([s["num_read"] for s in stats]),
+        "segments_per_episode": _mean([len(t.segments) for t in kept]),
         "demos_with_read": round(sum(s["num_read"] > 0 for s in stats) / len(stats), 4) if stats else 0.0,
         "peak_working_tokens_mean": _mean([s["peak_working_tokens"] for s in stats]),
         "redundant_calls": sum(s["num_redundant"] for s in stats),
