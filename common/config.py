@@ -338,6 +338,9 @@ class EvalSection:
     checkpoint: str = _help("Policy: a checkpoint dir (full, LoRA adapter, SFT/GRPO run dir) or model name; '' = model.name.",
                             "")
     temperature: float = _help("Sampling temperature (0: greedy, the release's protocol).", 0.0)
+    samples_per_game: int = _help(
+        "Episodes per game (> 1 needs temperature > 0): all of them play at once, batched, from the one sampler "
+        "seeded with `seed`; the results count episodes (n_games = games x samples).", 1)
     truncate_turns: int = _help("The truncate agent keeps this many last (reply, observation) turns (M²: 5).", 5)
     insights_from: str = _help(
         "m2 agent: comma-separated trajectory JSONL files to distil its insight bank from (successful training "
@@ -357,6 +360,11 @@ class DemoSection:
     output_dir: str = _help("Where the demo's stages and report.md go.", "runs/demo")
     expert_split: str = _help("Split of the expert's demonstration games.", "train")
     expert_games: int = _help("Games the Memex expert plays (its wins are the SFT demonstrations).", 16)
+    expert_task_types: str = _help("Comma-separated task types of the expert's games ('' = all).", "")
+    expert_need_memory: bool = _help(
+        "Keep only the expert's wins that needed memory (>= 1 compression, >= 1 read, every read a hit: "
+        "sft/demos.py needed_memory), taken from its games in mixed order; the GRPO stage then plays those games "
+        "(train.games_file = OUT/expert/games.txt), so that its rollouts reach the threshold.", False)
     eval_split: str = _help("Held-out split of the ALFWorld evaluation.", "valid_unseen")
     eval_games: int = _help("Held-out games per evaluation (stratified by task type).", 3)
     eval_agents: str = _help("Comma-separated agents evaluated with the SFT and GRPO checkpoints.", "memex,truncate")
@@ -420,6 +428,9 @@ class Config:
             (self.eval.truncate_turns > 0, "eval.truncate_turns must be > 0"),
             (self.eval.insights_top_k > 0, "eval.insights_top_k must be > 0"),
             (self.eval.temperature >= 0, "eval.temperature must be >= 0"),
+            (self.eval.samples_per_game >= 1, "eval.samples_per_game must be >= 1"),
+            (self.eval.samples_per_game == 1 or self.eval.temperature > 0,
+             "eval.samples_per_game > 1 needs eval.temperature > 0: greedy samples of one game are the same episode"),
             (0 <= self.expert.detour_rate < 1, "expert.detour_rate must be in [0, 1)"),
             (self.expert.max_detours >= 0, "expert.max_detours must be >= 0"),
             (0 <= self.expert.rejected_compress_rate < 1, "expert.rejected_compress_rate must be in [0, 1)"),

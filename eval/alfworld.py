@@ -130,13 +130,16 @@ def evaluate(cfg: Config, progress: bool = True) -> dict:
         if fresh and not any(out.iterdir()):  # a checkpoint that does not load leaves no empty result directory
             out.rmdir()
         raise
-    jobs = [(f"eval-{i}", str(g)) for i, g in enumerate(games)]
+    jobs = [(f"eval-{i}" if e.samples_per_game == 1 else f"eval-{i}-s{k}", str(g))
+            for i, g in enumerate(games) for k in range(e.samples_per_game)]
     start = time.perf_counter()
     with open_envs(cfg) as envs:
         trajs = run_episodes(jobs, engine, envs, make_renderer(tokenizer, cfg, agent), cfg, agent=agent,
                              progress=progress, run_dir=out)
     score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
     result = {"split": e.split, "agent": e.agent, "checkpoint": checkpoint, "temperature": e.temperature,
+              "seed": cfg.seed, "samples_per_game": e.samples_per_game,
+              **({"games_file": e.games_file} if e.games_file else {}),
               **({"task_types": e.task_types} if e.task_types else {}), "max_steps": cfg.env.max_steps,
               **aggregate(trajs), "seconds": round(time.perf_counter() - start, 1)}
     write_results(out, result, trajs)
@@ -172,7 +175,10 @@ def log_to_wandb(out: Path, result: dict, trajs: list[Trajectory]) -> None:
 
 def summary_line(result: dict) -> str:
     """The printed one-line summary."""
-    return (f"{result['agent']} on {result['n_games']} {result['split']} games: success "
+    samples = result.get("samples_per_game", 1)
+    games = (f"{result['n_games']} episodes ({result['n_games'] // samples} {result['split']} games x {samples})"
+             if samples > 1 else f"{result['n_games']} {result['split']} games")
+    return (f"{result['agent']} on {games}: success "
             f"{100 * result['success_rate']:.1f}%, peak working tokens {result['peak_working_tokens_mean']:.0f}, "
             f"compress {result['num_compress_mean']:.2f} (rejected {result['num_compress_rejected_mean']:.2f}) / read "
             f"{result['num_read_mean']:.2f} (missed {result['num_read_miss_mean']:.2f}) per episode, "

@@ -14,7 +14,8 @@ from common.errors import MemexError
 from eval.alfworld import RESULT_FILE
 
 COLUMNS = ("run", "agent", "checkpoint", "split", "games", "success %", "peak W (mean)", "peak W (max)",
-           "compress/ep", "read/ep", "redundant/ep", "format err/ep", "reward")
+           "compress/ep", "rejected/ep", "read/ep", "missed/ep", "segments/ep", "redundant/ep", "format err/ep",
+           "reward")
 
 
 def load_result(directory: str | Path) -> dict:
@@ -35,8 +36,11 @@ def row(result: dict) -> list[str]:
     checkpoint = Path(str(result.get("checkpoint", ""))).name or "-"
     return [result["run"], result["agent"], checkpoint, str(result.get("split", "")), str(result["n_games"]),
             f"{100 * result['success_rate']:.1f}", f"{result['peak_working_tokens_mean']:.0f}",
-            str(result.get("peak_working_tokens_max", "-")), f"{result.get('num_compress_mean', 0):.2f}",
-            f"{result.get('num_read_mean', 0):.2f}", f"{result.get('num_redundant_mean', 0):.2f}",
+            str(result.get("peak_working_tokens_max", "-")),
+            *(f"{result[k]:.2f}" if k in result else "-" for k in (
+                "num_compress_mean", "num_compress_rejected_mean", "num_read_mean", "num_read_miss_mean",
+                "num_segments_mean")),
+            f"{result.get('num_redundant_mean', 0):.2f}",
             f"{result.get('num_format_errors_mean', 0):.2f}",
             f"{result.get('reward_mean', 0):.3f}"]
 

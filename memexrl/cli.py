@@ -146,7 +146,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 # --- eval ---------------------------------------------------------------------------------------
 EVAL_FLAGS = {"checkpoint": "eval.checkpoint", "split": "eval.split", "games": "eval.games", "agent": "eval.agent",
-              "task_types": "eval.task_types", "games_file": "eval.games_file", "out": "eval.output_dir"}
+              "task_types": "eval.task_types", "games_file": "eval.games_file", "samples": "eval.samples_per_game",
+              "out": "eval.output_dir"}
 
 
 def cmd_eval_alfworld(args: argparse.Namespace) -> None:
@@ -285,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     alf_eval.add_argument("--games-file", default=None,
                           help="play the games this file lists, e.g. DIR/games.txt of `memexrl expert` (eval.games_file)")
     alf_eval.add_argument("--agent", default=None, help="memex, full, truncate, summary or m2 (eval.agent)")
+    alf_eval.add_argument("--samples", type=positive_int, default=None,
+                          help="episodes per game, sampled at eval.temperature > 0 (eval.samples_per_game)")
     alf_eval.add_argument("--out", default=None, help="output directory (eval.output_dir)")
     alf_eval.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
     alf_eval.set_defaults(func=cmd_eval_alfworld)

@@ -31,6 +31,7 @@ from pathlib import Path
 from common.atomic import write_text_atomic
 from common.config import Config
 from common.errors import MemexError
+from envs.data import GAMES_FILE
 from memexrl.plot import read_metrics
 
 log = logging.getLogger(__name__)
@@ -92,16 +93,20 @@ class Demo:
 
 # --- stages -------------------------------------------------------------------------------------
 def stage_expert(demo: Demo, where: Path) -> dict:
-    from sft.demos import make_demonstrations, write_demonstrations
+    from sft.demos import demo_report, make_demonstrations, write_demonstrations
 
     d = demo.cfg.demo
-    kept, report = make_demonstrations(demo.cfg, d.expert_split, d.expert_games)
+    kept, report = make_demonstrations(demo.cfg, d.expert_split, d.expert_games, task_types=d.expert_task_types,
+                                       order="mixed" if d.expert_need_memory else "sorted",
+                                       need_memory=d.expert_need_memory)
     if not kept:
-        raise MemexError(f"the expert won none of {d.expert_games} {d.expert_split} games: raise demo.expert_games")
+        won = "won none" if not d.expert_need_memory else "needed memory to win none"
+        raise MemexError(f"the expert {won} of {d.expert_games} {d.expert_split} games: raise demo.expert_games")
     write_demonstrations(where, kept, report, demo.cfg.model.name, demo.cfg.env.data_dir)
-    keys = ("n_games", "n_success", "success_rate", "mean_steps", "compress_per_episode", "read_per_episode",
-            "segments_per_episode")
-    return {k: report[k] for k in keys}
+    demos = demo_report(kept)  # the demonstrations the SFT sees (all wins, or those that needed memory)
+    return {**{k: report[k] for k in ("n_games", "n_success", "success_rate")}, "kept": len(kept),
+            **{k: demos[k] for k in ("mean_steps", "compress_per_episode", "read_per_episode",
+                                     "segments_per_episode")}}
 
 
 def stage_sft(demo: Demo, where: Path) -> dict:
@@ -125,6 +130,8 @@ def stage_grpo(demo: Demo, where: Path) -> dict:
     cfg = copy.deepcopy(demo.cfg)
     cfg.train.init_checkpoint = str(demo.dir("sft"))
     cfg.train.output_dir = str(where)
+    if demo.cfg.demo.expert_need_memory:  # the games where a win needs memory (stage_expert)
+        cfg.train.games_file = str(demo.dir("expert") / GAMES_FILE)
     checkpoint = train(cfg)
     keys = ("step", "success_rate", "reward_mean", "peak_working_tokens", "num_compress", "num_read", "num_segments",
             "segments_per_update", "later_segment_token_share", "loss")

@@ -71,7 +71,8 @@ def write_report(demo: Demo, where: Path, stages: tuple[str, ...]) -> Path:
         f"## 1. Memex expert demonstrations ({d.expert_split})\n",
         table(["games", "won (kept)", "success", "mean steps", "compress / episode", "read / episode",
                "segments / episode"],
-              [[e.get("n_games"), e.get("n_success"), _pct(e.get("success_rate")), _fmt(e.get("mean_steps"), 1),
+              [[e.get("n_games"), f"{e.get('n_success')} ({e.get('kept', e.get('n_success'))})",
+                _pct(e.get("success_rate")), _fmt(e.get("mean_steps"), 1),
                 _fmt(e.get("compress_per_episode"), 2), _fmt(e.get("read_per_episode"), 2),
                 _fmt(e.get("segments_per_episode"), 2)]]),
     ]

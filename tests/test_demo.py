@@ -50,6 +50,25 @@ def test_a_demo_made_with_another_config_is_not_mixed_with_the_new_one(tmp_path,
     assert (out / "config.yaml").is_file()  # nothing was removed without --restart
 
 
+def test_the_expert_stage_keeps_the_games_that_needed_memory_for_grpo(tmp_path, alfworld_data):
+    from envs.data import read_games_file
+    from memexrl.demo import stage_expert
+
+    cfg = load_config("configs/demo.yaml", [f"env.data_dir={alfworld_data}", "env.num_workers=1",
+                                            "memory.threshold=400", "demo.expert_games=6",
+                                            "demo.expert_need_memory=true",
+                                            "demo.expert_task_types=pick_and_place_simple,look_at_obj_in_light"])
+    demo = Demo(cfg, tmp_path)
+    summary = demo.run_stage("expert", stage_expert)
+    assert 1 <= summary["kept"] <= summary["n_success"] <= 6
+    assert summary["compress_per_episode"] >= 1 and summary["read_per_episode"] >= 1  # of the kept ones
+    assert summary["segments_per_episode"] >= 2
+    games = read_games_file(str(tmp_path / "expert" / "games.txt"), alfworld_data)
+    demos = [json.loads(line) for line in (tmp_path / "expert" / "demos.jsonl").read_text().splitlines()]
+    assert len(games) == len(demos) == summary["kept"]  # the games GRPO plays are those of the demonstrations
+    assert all(d["stats"]["num_compress"] >= 1 and d["stats"]["num_read"] >= 1 for d in demos)
+
+
 def test_quick_overrides_are_a_valid_smaller_config():
     full, quick = load_config("configs/demo.yaml", []), load_config("configs/demo.yaml", QUICK_OVERRIDES)
     assert quick.demo.output_dir != full.demo.output_dir  # a quick look never blocks the full demo's resume

@@ -113,7 +113,27 @@ def test_cli_writes_results_and_episodes(alfworld_data, tiny_eos_model, tmp_path
     assert "truncate on 3 valid_unseen games" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_samples_per_game_plays_each_game_that_many_times_with_different_samples(alfworld_data, tiny_eos_model,
+                                                                                  tmp_path, capsys):
+    out = tmp_path / "eval"
+    code = main(["eval", "alfworld", "--checkpoint", tiny_eos_model, "--split", "valid_unseen", "--games", "2",
+                 "--samples", "2", "--out", str(out), f"env.data_dir={alfworld_data}", "env.max_steps=2",
+                 "env.num_workers=1", "rollout.max_new_tokens=12", "eval.temperature=1.0", "seed=3"])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads((out / RESULT_FILE).read_text())
+    assert result["n_games"] == 4 and result["samples_per_game"] == 2 and result["seed"] == 3
+    episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+    games = [e["game"] for e in episodes]
+    assert games[0] == games[1] != games[2] == games[3]  # game by game, its samples side by side
+    replies = [[s["assistant"] for s in e["steps"]] for e in episodes]
+    assert replies[0] != replies[1] and replies[2] != replies[3]  # sampled, not one episode copied
+    assert "4 episodes (2 valid_unseen games x 2)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args, fragment", [
+    (["--samples", "2"], "needs eval.temperature > 0"),
+    (["eval.samples_per_game=0"], "eval.samples_per_game must be >= 1"),
     (["--agent", "oracle"], "eval.agent must be one of"),
     (["--agent", "m2"], "needs eval.insights_from"),
     (["--split", "test"], "split"),
@@ -139,6 +159,7 @@ def test_compare_writes_a_table_and_a_chart(tmp_path, capsys):
     table = (tmp_path / "cmp" / "compare.md").read_text()
     lines = table.splitlines()
     assert lines[0].startswith("| run | agent |") and len(lines) == 4
+    assert "| compress/ep | rejected/ep | read/ep | missed/ep | segments/ep |" in lines[0]
     assert lines[2].startswith("| memex | memex | step-42 | valid_unseen | 2 | 50.0 | 1000 | 1200 |")
     assert lines[3].startswith("| full | full | step-42 | valid_unseen | 2 | 0.0 | 5000 | 6000 |")
     png = (tmp_path / "cmp" / "compare.png").read_bytes()
