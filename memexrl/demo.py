@@ -44,8 +44,7 @@ QUICK_OVERRIDES = [
     "demo.output_dir=runs/demo-quick", "demo.expert_games=6", "demo.eval_games=2", "demo.eval_agents=memex",
     "demo.lme_questions=1", "demo.lme_context_tokens=2000",
     "sft.max_steps=2", "train.steps=1", "train.group_size=2", "train.global_batch_size=2",
-    "rollout.max_new_tokens=96",
-]
+]  # not a smaller rollout.max_new_tokens: it caps the expert's turns too, and no CompressExperience call fits in 96
 
 
 def names(csv: str) -> list[str]:
