@@ -92,7 +92,7 @@ class Demo:
 
 # --- stages -------------------------------------------------------------------------------------
 def stage_expert(demo: Demo, where: Path) -> dict:
-    from sft.demos import demo_report, make_demonstrations, write_demonstrations
+    from sft.demos import make_demonstrations, write_demonstrations
 
     d = demo.cfg.demo
     kept, report = make_demonstrations(demo.cfg, d.expert_split, d.expert_games, task_types=d.expert_task_types,
@@ -102,7 +102,7 @@ def stage_expert(demo: Demo, where: Path) -> dict:
         won = "won none" if not d.expert_need_memory else "needed memory to win none"
         raise MemexError(f"the expert {won} of {d.expert_games} {d.expert_split} games: raise demo.expert_games")
     write_demonstrations(where, kept, report, demo.cfg.model.name, demo.cfg.env.data_dir)
-    demos = demo_report(kept)  # the demonstrations the SFT sees (all wins, or those that needed memory)
+    demos = report.get("need_memory", report)  # the demonstrations the SFT sees (all wins, or those that needed memory)
     return {**{k: report[k] for k in ("n_games", "n_success", "success_rate")}, "kept": len(kept),
             **{k: demos[k] for k in ("mean_steps", "compress_per_episode", "read_per_episode",
                                      "segments_per_episode")}}

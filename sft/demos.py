@@ -129,7 +129,8 @@ def make_demonstrations(
     if need_memory:
         report["need_memory"] = {"kept": len(kept), "dropped_wins": report["n_success"] - len(kept),
                                  **{k: v for k, v in demo_report(kept).items()
-                                    if k in ("mean_steps", "compress_per_episode", "read_per_episode")}}
+                                    if k in ("mean_steps", "compress_per_episode", "read_per_episode",
+                                             "segments_per_episode")}}
     return kept, report
 
 
