@@ -74,7 +74,7 @@ def run_expert(
     """Play the Memex expert on `games` (episode ids `g0`, `g1`, ...), a few chunks at a time; all trajectories."""
     engine = MemexExpertEngine(tokenizer, cfg.expert.detour_rate, cfg.expert.max_detours, cfg.seed,
                                cfg.expert.rejected_compress_rate, cfg.expert.max_turn_tokens,
-                               cfg.expert.milestone_compress)
+                               cfg.expert.milestone_compress, cfg.expert.seen_evidence)
     renderer = make_renderer(tokenizer, cfg)
     jobs = [(f"g{i}", str(g)) for i, g in enumerate(games)]
     workers = cfg.env.num_workers if workers is None else workers

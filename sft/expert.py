@@ -69,8 +69,10 @@ class MemexExpertEngine(ScriptedEngine):
     """The Memex expert as an engine: each request's episode (`req.state`) decides the next turn."""
 
     def __init__(self, tokenizer, detour_rate: float = 0.0, max_detours: int = 4, seed: int = 0,
-                 rejected_compress_rate: float = 0.0, max_turn_tokens: int = 0, milestone_compress: bool = True):
+                 rejected_compress_rate: float = 0.0, max_turn_tokens: int = 0, milestone_compress: bool = True,
+                 seen_evidence: str = "anchor"):
         super().__init__(tokenizer, {})
+        self.seen_evidence = seen_evidence  # "anchor": <class>_seen blocks; "facts": the facts block only
         self.milestone_compress = milestone_compress  # False: compress only past warn_ratio * T
         self.max_turn_tokens = max_turn_tokens  # 0: the request's max_new_tokens
         # Why episodes were stopped: "no_plan" (the handcoded expert gave up) or "unseen_name" (its next
@@ -127,7 +129,8 @@ class MemexExpertEngine(ScriptedEngine):
         context = "\n\n".join(m["content"] for m in ep.context.messages[1:])
         missing = [n for n in action_names(action) if not mentions(context, n)]
         if missing:
-            index = self._block_to_read(ep.store, missing, notes.read_in_segment)
+            unread = {i: ep.store.read(i).content for i in ep.store.indices() if i not in notes.read_in_segment}
+            index = block_for(unread, missing, sought_class(ep.traj.task_type, notes, targets))
             if index is not None:
                 thought = (f"I need the exact name of the {name_class(missing[0])}; my archived block "
                            f"'{index}' has it, so I read it back instead of exploring again.")
@@ -169,21 +172,6 @@ class MemexExpertEngine(ScriptedEngine):
         threshold = ep.memory.threshold * ep.memory.warn_ratio
         return "context" if ep.context.working_tokens > threshold else None
 
-    @staticmethod
-    def _block_to_read(store, names: list[str], already: set[str]) -> str | None:
-        """The archived block, not read in this segment, that names all (else most) of `names`: the room
-        overview first (it names every receptacle the next actions may need), else the smallest."""
-        best: tuple[int, bool, int, str] | None = None
-        for index in store.indices():
-            if index in already:
-                continue
-            block = store.read(index)
-            hits = sum(mentions(block.content, n) for n in names)
-            rank = (-hits, index != ROOM_INDEX, len(block.content), index)
-            if hits and (best is None or rank < best):
-                best = rank
-        return best[3] if best else None
-
     def _compress_turn(self, ep, notes: WorldNotes, targets: Targets, action: str, budget: int,
                        reason: str) -> str | None:
         """The correct CompressExperience (after a rejected one: saying what was wrong; after a format
@@ -219,7 +207,7 @@ class MemexExpertEngine(ScriptedEngine):
         (a small budget dropped its block), the summary says the next action exactly.
         """
         context_text = ep.context.working_text()
-        anchored = evidence_blocks(notes, targets, context_text)
+        anchored = evidence_blocks(notes, targets, context_text, per_class=self.seen_evidence == "anchor")
         working, threshold = ep.context.working_tokens, ep.memory.threshold
         if reason == "milestone":
             why = f"I {notes.milestone}: a good point to compress my context and archive the details."
@@ -229,14 +217,24 @@ class MemexExpertEngine(ScriptedEngine):
         facts = {"db_index": FACTS_INDEX, "db_content": facts_text(notes, targets, full=True)}
         short = {"db_index": FACTS_INDEX, "db_content": facts_text(notes, targets, full=False)}
         # The most detail that fits the budget; the room overview is dropped last (later reads need it).
-        levels = ((2, [*anchored, facts]), (1, [*anchored[:1], short]), (0, anchored[:1] or [short]))
+        # With seen_evidence "facts", where the objects are is in the short facts block at every level.
+        if self.seen_evidence == "facts":  # where things are, without the summary's "Holding" line; no block
+            where = short["db_content"].split("\n", 1)[1:]  # when nothing was seen yet
+            blocks = [*anchored, {"db_index": FACTS_INDEX, "db_content": where[0]}] if where else anchored or [short]
+            levels = ((2, blocks), (1, blocks), (0, blocks))
+        else:
+            levels = ((2, [*anchored, facts]), (1, [*anchored[:1], short]), (0, anchored[:1] or [short]))
+        sought = sought_class(ep.traj.task_type, notes, targets)
         for detail, blocks in levels[::-1] if shortest else levels:
             indices = existing + [b["db_index"] for b in blocks if b["db_index"] not in existing]
             summary = summary_text(ep.traj.task_type, notes, targets, indices, detail)
-            written = {b["db_index"] for b in blocks}
-            after = "\n".join([summary, *(block_content(b, context_text) for b in blocks)]
-                              + [ep.store.read(i).content for i in existing if i not in written])
-            if any(not mentions(after, n) for n in action_names(action)):
+            after = {i: ep.store.read(i).content for i in existing} | {
+                b["db_index"]: block_content(b, context_text) for b in blocks}
+            missing = [n for n in action_names(action) if not mentions(summary, n)]
+            hint = block_for(after, missing, sought) if missing else None
+            if hint is not None:  # the read that follows is named where the policy will look for it
+                summary = summary.replace("\nIndex map:", f" Read {hint} first.\nIndex map:", 1)
+            elif missing:  # in no block: the summary says the next action exactly
                 summary = summary.replace("\nIndex map:", f" Next action: {action}.\nIndex map:", 1)
             thoughts = [why, "Time to compress."] if detail == 2 else ["Time to compress."]
             arguments = {"summary": summary, "db_blocks": blocks}
@@ -269,13 +267,13 @@ def index_for(text: str) -> str:
     return (re.sub(r"[^A-Za-z0-9_-]+", "_", text).strip("_") or "block")[:64]
 
 
-def evidence_blocks(notes: WorldNotes, targets: Targets, context_text: str) -> list[dict]:
+def evidence_blocks(notes: WorldNotes, targets: Targets, context_text: str, per_class: bool = True) -> list[dict]:
     """Anchor-mode blocks for the exact evidence of this segment: the room overview (if `look` is in
-    it), and for each target class the latest observation that shows one."""
+    it), and (if `per_class`) for each target class the latest observation that shows one."""
     blocks = []
     if notes.room_in_segment:
         blocks.append(anchor_block(ROOM_INDEX, notes.room, context_text, "Looking"))
-    for cls in targets.interesting():
+    for cls in targets.interesting() if per_class else []:
         seen = [body for _, body in notes.segment_obs if any(name_class(o) == cls for o in seen_items(body) or [])]
         if seen:
             mid = next(o for o in seen_items(seen[-1]) or [] if name_class(o) == cls)
@@ -296,6 +294,32 @@ def anchor_block(index: str, body: str, context_text: str, mid: str) -> dict | N
     return None
 
 
+def block_for(contents: dict[str, str], names: list[str], sought: str = "") -> str | None:
+    """The block (index -> content) to read for an action that needs `names`: the one that names all (else
+    most) of them; among those, one that also names the `sought` class (where the object was seen, not just
+    the receptacle's name: what justifies going there), then the room overview, then the smallest."""
+    best: tuple[int, bool, bool, int, str] | None = None
+    for index, content in contents.items():
+        hits = sum(mentions(content, n) for n in names)
+        rank = (-hits, not (sought and mentions(content, sought)), index != ROOM_INDEX, len(content), index)
+        if hits and (best is None or rank < best):
+            best = rank
+    return best[-1] if best else None
+
+
+def sought_class(task_type: str, notes: WorldNotes, targets: Targets) -> str:
+    """The class the agent is after now: the object until it is held, then the lamp, the appliance or the
+    target receptacle (next_goal's order)."""
+    if not notes.held:
+        return targets.obj
+    if task_type == "look_at_obj_in_light":
+        return targets.toggle
+    need = NEEDS.get(task_type)
+    if need and TRANSFORMS[need] not in notes.states.get(notes.held, []):
+        return APPLIANCE[need]
+    return targets.parent
+
+
 def block_content(block: dict, context_text: str) -> str:
     """What a db_block will store: its db_content, or the span its anchors copy from the context."""
     if "db_content" in block:
@@ -304,13 +328,17 @@ def block_content(block: dict, context_text: str) -> str:
 
 
 def summary_text(task_type: str, notes: WorldNotes, targets: Targets, indices: list[str], detail: int = 2) -> str:
-    """Progress, next step and the index map: one line per index, saying what it holds (memex.md).
+    """Progress, next step and the index map: one line per index, saying what it holds (memex.md). While
+    the sought object is not yet seen, the receptacles already checked (so that the search goes on, not over).
 
     Exact IDs beyond the held object and the current place stay in the store (the facts block lists what was checked),
     so that acting on them later means reading them back. Less `detail` (to fit a small generation
     budget) shortens progress and the index descriptions; every index is always listed.
     """
     state = f"Holding: {held_text(notes)}." + (f" At: {notes.location}." if notes.location else "")
+    sought = sought_class(task_type, notes, targets)
+    if sought in targets.interesting() and not notes.where_seen(sought) and notes.checked:
+        state += f" Checked: {', '.join(notes.checked)}."  # still searching: where not to look again
     if detail >= 2:
         lines = [f"Progress: {'; '.join(notes.done) or 'searching'}. {state}"]
     else:

@@ -27,7 +27,7 @@ from memexrl.cli import main, replay  # noqa: E402
 from memory.parsing import COMPRESS, EXECUTE_ACTION, READ  # noqa: E402
 from memory.store import InMemoryStore  # noqa: E402
 from sft.demos import run_expert  # noqa: E402
-from sft.expert import MIN_STEPS_BETWEEN_COMPRESSIONS, anchor_block, failed_compress  # noqa: E402
+from sft.expert import MIN_STEPS_BETWEEN_COMPRESSIONS, anchor_block, block_for, failed_compress  # noqa: E402
 from sft.world import WorldNotes, action_names, mentions, seen_items  # noqa: E402
 
 LOOK_TWICE_GAME = "valid_seen:33"  # the handcoded expert plans `look` again mid-episode here
@@ -303,6 +303,20 @@ def test_without_milestone_compression_only_past_the_warning(alfworld_data, tmp_
     assert takes >= 3  # every won game of these types takes its object: the check above is not vacuous
 
 
+def test_reads_the_block_that_says_where_the_object_is():
+    """After a compression, going back to the desk where the book was seen means reading the block that says
+    so, not the room overview that merely names the desk; a receptacle's name alone comes from the overview."""
+    contents = {
+        "room": "You are in the middle of a room. Looking quickly around you, you see a desk 1, a desk 2, and a shelf 1.",
+        "facts": "book seen: book 1 in/on desk 2",
+    }
+    assert block_for(contents, ["desk 2"], "book") == "facts"
+    assert block_for(contents, ["book 1", "desk 2"], "") == "facts"  # names both
+    assert block_for(contents, ["shelf 1"], "shelf") == "room"
+    assert block_for(contents, ["desk 1"], "book") == "room"
+    assert block_for(contents, ["sofa 1"], "book") is None
+
+
 @pytest.mark.slow
 def test_need_memory_keeps_the_wins_that_compressed_and_read_and_names_their_games(alfworld_data, tmp_path):
     """`memexrl expert --need-memory` (configs/cpu-memory.yaml's game sets): every kept demonstration has an
@@ -321,10 +335,20 @@ def test_need_memory_keeps_the_wins_that_compressed_and_read_and_names_their_gam
     demos = [json.loads(line) for line in (out / "demos.jsonl").read_text().splitlines()]
     assert report["need_memory"]["kept"] == len(demos) >= 1
     assert report["need_memory"]["dropped_wins"] == report["n_success"] - len(demos) >= 1  # short wins dropped
+    hinted = 0
     for demo in demos:
         compressions = [s for s in demo["steps"] if s["tool"] == COMPRESS and s["compressed"]]
         reads = [s for s in demo["steps"] if s["tool"] == READ]
         assert compressions and reads and all(s["error"] is None for s in reads)
+        for step in compressions:  # expert.seen_evidence facts: the room by anchors, where things are explicit
+            blocks = step["arguments"]["db_blocks"]
+            assert all(b["db_index"] == "room" for b in blocks if "start_anchor" in b)
+            assert all(b["db_index"] in ("room", "facts") for b in blocks)
+        for before, step in zip(demo["steps"], demo["steps"][1:]):
+            if before["tool"] == COMPRESS and step["tool"] == READ:  # the summary names the block read next
+                assert f"Read {step['arguments']['db_index']} first." in before["arguments"]["summary"]
+                hinted += 1
+    assert hinted >= 1
     lines = (out / "games.txt").read_text().splitlines()
     assert all(line.startswith("json_2.1.1/valid_seen/") for line in lines)
     games = read_games_file(out / "games.txt", alfworld_data)
