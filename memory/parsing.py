@@ -116,6 +116,16 @@ TOOL_SCHEMAS: list[dict[str, Any]] = [
 ]
 
 CALL_EXAMPLE = '<tool_call>{"name": "execute_action", "arguments": {"action": "look"}}</tool_call>'
+# A format error shows the form of the tool the broken call names (else CALL_EXAMPLE): a cut or invalid
+# CompressExperience call is answered with a CompressExperience call's shape, not with `look`.
+CALL_EXAMPLES = {
+    EXECUTE_ACTION: CALL_EXAMPLE,
+    COMPRESS: ('<tool_call>{"name": "CompressExperience", "arguments": {"summary": "Progress ... Index map:\\n'
+               '- facts: what it holds", "db_blocks": [{"db_index": "facts", "db_content": "exact text"}]}}</tool_call>'),
+    READ: '<tool_call>{"name": "ReadExperience", "arguments": {"db_index": "facts"}}</tool_call>',
+    FINISH: '<tool_call>{"name": "finish", "arguments": {"success": true}}</tool_call>',
+}
+_NAMED = re.compile(r'"name"\s*:\s*"([A-Za-z_]+)"')
 NO_CALL_MESSAGE = (
     "No tool call found. Reply with exactly one tool call, for example: " + CALL_EXAMPLE
 )
@@ -176,8 +186,11 @@ def decode_json(text: str) -> tuple[Any, str | None]:
     return (None, problem) if problem else (value, None)
 
 
-def _malformed(message: str) -> ParsedCall:
-    return ParsedCall(kind="malformed", error=f"Format error: {message}. Use exactly: {CALL_EXAMPLE}")
+def _malformed(message: str, call_text: str = "") -> ParsedCall:
+    """A format error, with the form of the tool that `call_text` (the broken call) names, if any."""
+    named = _NAMED.search(call_text)
+    example = CALL_EXAMPLES.get(named.group(1), CALL_EXAMPLE) if named else CALL_EXAMPLE
+    return ParsedCall(kind="malformed", error=f"Format error: {message}. Use exactly: {example}")
 
 
 def answer_part(text: str, thinking: bool = False) -> str:
@@ -213,11 +226,11 @@ def parse_tool_call(text: str, tools: tuple[str, ...] | None = None, optional: t
     start = visible.index(OPEN_TAG) + len(OPEN_TAG)
     end = visible.find(CLOSE_TAG, start)
     if end < 0:
-        return _malformed(f"unclosed {OPEN_TAG} tag (add {CLOSE_TAG})")
+        return _malformed(f"unclosed {OPEN_TAG} tag (add {CLOSE_TAG})", visible[start:])
     body = visible[start:end].strip()
     call, problem = decode_json(body)
     if problem:
-        return _malformed(f"the call is {problem}" if problem.startswith("not valid") else problem)
+        return _malformed(f"the call is {problem}" if problem.startswith("not valid") else problem, body)
     if not isinstance(call, dict):
         return _malformed("the call must be a JSON object with 'name' and 'arguments'")
     name = call.get("name")
@@ -229,17 +242,17 @@ def parse_tool_call(text: str, tools: tuple[str, ...] | None = None, optional: t
     if isinstance(arguments, str):  # some models emit arguments as a JSON string
         arguments, problem = decode_json(arguments)
         if problem:
-            return _malformed(f"the arguments of {name} are not a JSON object: {problem}")
+            return _malformed(f"the arguments of {name} are not a JSON object: {problem}", body)
     if not isinstance(arguments, dict):
-        return _malformed(f"the arguments of {name} must be a JSON object")
+        return _malformed(f"the arguments of {name} must be a JSON object", body)
     for arg, (required, types) in _ARGUMENTS[name].items():
         if arg not in arguments:
             if required and arg not in optional:
-                return _malformed(f"{name} is missing the required argument '{arg}'")
+                return _malformed(f"{name} is missing the required argument '{arg}'", body)
             continue
         if not isinstance(arguments[arg], types):
             kind = " or ".join(t.__name__ for t in types)
-            return _malformed(f"argument '{arg}' of {name} must be of type {kind}")
+            return _malformed(f"argument '{arg}' of {name} must be of type {kind}", body)
     return ParsedCall(kind="call", name=name, arguments=arguments)
 
 

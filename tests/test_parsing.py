@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memory.parsing import canonical_call, parse_tool_call
+from memory.parsing import CALL_EXAMPLES, COMPRESS, EXECUTE_ACTION, canonical_call, parse_tool_call
 
 
 def call(name, arguments):
@@ -55,6 +55,24 @@ def test_malformed_calls_are_format_errors(text, fragment):
     assert parsed.kind == "malformed" and parsed.format_error
     assert fragment in parsed.error
     assert parsed.error.startswith("Format error:")
+
+
+@pytest.mark.parametrize("name", sorted(CALL_EXAMPLES))
+def test_each_format_hint_is_a_well_formed_call_of_its_tool(name):
+    parsed = parse_tool_call(CALL_EXAMPLES[name])
+    assert parsed.kind == "call" and parsed.name == name
+
+
+def test_a_broken_call_is_shown_the_form_of_the_tool_it_names():
+    """A CompressExperience call cut at the generation cap, or with invalid JSON, is answered with a
+    CompressExperience call's shape (the policy repairs the call it tried), not with `look`."""
+    cut = '<tool_call>{"name": "CompressExperience", "arguments": {"summary": "Progress: searching.'
+    invalid = '<tool_call>{"name": "CompressExperience", "arguments": {"summary": "s", "db_blocks": [{]}}</tool_call>'
+    for text in (cut, invalid):
+        error = parse_tool_call(text).error
+        assert error.endswith("Use exactly: " + CALL_EXAMPLES[COMPRESS])
+    no_name = parse_tool_call('<tool_call>{"action": "look"</tool_call>').error
+    assert no_name.endswith("Use exactly: " + CALL_EXAMPLES[EXECUTE_ACTION])
 
 
 def test_arguments_as_json_string_are_accepted():
