@@ -219,8 +219,8 @@ class MemexExpertEngine(ScriptedEngine):
         # The most detail that fits the budget; the room overview is dropped last (later reads need it).
         # With seen_evidence "facts", where the objects are is in the short facts block at every level.
         if self.seen_evidence == "facts":  # where things are, without the summary's "Holding" line; no block
-            where = short["db_content"].split("\n", 1)[1:]  # when nothing was seen yet
-            blocks = [*anchored, {"db_index": FACTS_INDEX, "db_content": where[0]}] if where else anchored or [short]
+            where = facts_text(notes, targets, full=False, holding=False)  # when nothing was seen yet
+            blocks = [*anchored, {"db_index": FACTS_INDEX, "db_content": where}] if where else anchored or [short]
             levels = ((2, blocks), (1, blocks), (0, blocks))
         else:
             levels = ((2, [*anchored, facts]), (1, [*anchored[:1], short]), (0, anchored[:1] or [short]))
@@ -372,9 +372,9 @@ def describe_index(index: str, short: bool = False) -> str:
     return "archived notes"
 
 
-def facts_text(notes: WorldNotes, targets: Targets, full: bool) -> str:
-    """Derived facts with exact IDs (explicit mode)."""
-    lines = [f"holding: {held_text(notes)}"]
+def facts_text(notes: WorldNotes, targets: Targets, full: bool, holding: bool = True) -> str:
+    """Derived facts with exact IDs (explicit mode); without the `holding` line, '' when nothing else is known."""
+    lines = [f"holding: {held_text(notes)}"] if holding else []
     for cls in targets.interesting():
         where = notes.where_seen(cls)
         if where:
