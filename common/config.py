@@ -59,6 +59,8 @@ class Config:
             (0 < self.memory.warn_ratio <= 1, "memory.warn_ratio must be in (0, 1]"),
             (self.memory.summary_max_tokens > 0, "memory.summary_max_tokens must be > 0"),
             (self.memory.summary_cap_mode in ("tokens", "chars"), "memory.summary_cap_mode must be 'tokens' or 'chars'"),
+            (self.memory.anchor_scope in ("context", "observations"),
+             "memory.anchor_scope must be 'context' or 'observations'"),
             (self.memory.backend in ("memory", "sqlite"), "memory.backend must be 'memory' or 'sqlite'"),
             (self.model.thinking in ("auto", "always", "never"), "model.thinking must be auto, always or never"),
             (self.env.max_steps > 0, "env.max_steps must be > 0"),

@@ -68,6 +68,14 @@ class MemoryConfig:
         "4-characters-per-token approximation (1200 characters).",
         "tokens",
     )
+    anchor_scope: str = _help(
+        "Where CompressExperience's anchor-mode spans are searched: 'context' = the whole working context "
+        "(memex.md 'The tools', the default); 'observations' = inside one message the agent did not write "
+        "(an observation, the summary, a read-back), so anchors never match the agent's own earlier calls: "
+        "in 'context', retrying a rejected anchor call unchanged matches the anchors that the rejected call "
+        "itself left in the context and archives that text (a deviation, docs/fidelity.md).",
+        "context",
+    )
     backend: str = _help("Experience store: 'memory' (per episode, training) or 'sqlite' (durable).", "memory")
     sqlite_path: str = _help("SQLite file for backend=sqlite.", "")
     semantic_fallback: bool = _help(

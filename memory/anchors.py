@@ -4,6 +4,10 @@ The system copies, verbatim, the span of the current working context that starts
 start_anchor, ends at end_anchor (inclusive) and contains mid_anchor. It matches exactly
 first, then with whitespace collapsed (runs of whitespace in both the context and the
 anchors count as one space); the span returned is always the original text.
+
+The text searched is one string (the working context, memex.md) or a list of strings searched one
+after the other, a span never crossing from one to the next (memory.anchor_scope "observations",
+memory/context.py WorkingContext.anchor_source).
 """
 
 from __future__ import annotations
@@ -45,13 +49,27 @@ def _collapse(text: str) -> tuple[str, list[int]]:
     return "".join(out), source
 
 
-def extract_span(context: str, start: str, mid: str, end: str) -> str | None:
-    """The verbatim span of `context` bounded by the anchors, or None when not found."""
+def extract_span(context: str | list[str], start: str, mid: str, end: str) -> str | None:
+    """The verbatim span of `context` bounded by the anchors, or None when not found.
+
+    For a list of texts: the exact match in the first text that has one, else the whitespace-collapsed
+    match in the first text that has one."""
     if not (start and mid and end):
         return None
+    if not isinstance(context, str):
+        tries = ((find, text) for find in (_exact_span, _collapsed_span) for text in context)
+        return next((span for find, text in tries if (span := find(text, start, mid, end)) is not None), None)
+    return _exact_span(context, start, mid, end) or _collapsed_span(context, start, mid, end)
+
+
+def _exact_span(context: str, start: str, mid: str, end: str) -> str | None:
     found = _find_span(context, start, mid, end)
     if found is not None:
         return context[found[0] : found[1]]
+    return None
+
+
+def _collapsed_span(context: str, start: str, mid: str, end: str) -> str | None:
     collapsed, source = _collapse(context)
     anchors = [_WS.sub(" ", a).strip() for a in (start, mid, end)]
     if not all(anchors):
@@ -61,6 +79,7 @@ def extract_span(context: str, start: str, mid: str, end: str) -> str | None:
         return None
     # Anchors are stripped, so the span starts and ends on non-space characters, which map 1:1.
     return context[source[found[0]] : source[found[1] - 1] + 1]
+
 
 def fill_content(db_content: str | None, extracted: str) -> str:
     """Place the extracted span in db_content: at `{{EXTRACT}}` if present, else appended after it."""

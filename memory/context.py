@@ -124,8 +124,9 @@ class WorkingContext:
     """One episode's context: messages plus the token buffer of the current segment."""
 
     def __init__(self, renderer: ChatRenderer, system: str, task: str, threshold: int, warn_ratio: float,
-                 show_status: bool = True):
+                 show_status: bool = True, anchor_scope: str = "context"):
         self.renderer = renderer
+        self.anchor_scope = anchor_scope  # memory.anchor_scope: where anchor-mode spans are searched
         self.threshold = threshold
         self.warn_ratio = warn_ratio
         self.show_status = show_status  # the context status after observations (Memex's soft trigger)
@@ -154,8 +155,17 @@ class WorkingContext:
 
     def working_text(self, exclude_last: bool = False) -> str:
         """Text of the working messages (what anchors search); optionally without the newest one."""
-        working = self.messages[2:-1] if exclude_last else self.messages[2:]
-        return "\n\n".join(m["content"] for m in working)
+        return "\n\n".join(m["content"] for m in self._working(exclude_last))
+
+    def anchor_source(self, exclude_last: bool = False) -> str | list[str]:
+        """What anchor-mode spans are searched in (memory/anchors.py): the working text (scope "context",
+        memex.md), or (scope "observations") each working message the agent did not write, one by one."""
+        if self.anchor_scope == "context":
+            return self.working_text(exclude_last)
+        return [m["content"] for m in self._working(exclude_last) if m["role"] != "assistant"]
+
+    def _working(self, exclude_last: bool) -> list[dict]:
+        return self.messages[2:-1] if exclude_last else self.messages[2:]
 
     # --- turns --------------------------------------------------------------------------------
     def add_assistant(

@@ -51,7 +51,7 @@ def _compress_error(message: str) -> ToolOutcome:
     )
 
 
-def _blocks_from_arguments(raw: Any, context_text: str, summary: str) -> list[BlockWrite] | str:
+def _blocks_from_arguments(raw: Any, context_text: str | list[str], summary: str) -> list[BlockWrite] | str:
     """Validate db_blocks and resolve anchors; return the blocks to write or an error message."""
     if isinstance(raw, str):  # a JSON string of a list is accepted (memex.md)
         raw, problem = decode_json(raw)
@@ -91,8 +91,11 @@ def _blocks_from_arguments(raw: Any, context_text: str, summary: str) -> list[Bl
                 return f"block {quote(index)}: anchors must be strings"
             span = extract_span(context_text, *(block[a] for a in _ANCHORS))
             if span is None:
+                where = "the current context" if isinstance(context_text, str) else (
+                    "any one observation, summary or read-back of the current context (your own messages are "
+                    "not searched)")  # memory.anchor_scope "observations"
                 return (
-                    f"block {quote(index)}: anchors not found in the current context (no span from start_anchor "
+                    f"block {quote(index)}: anchors not found in {where} (no span from start_anchor "
                     f"to end_anchor containing mid_anchor); copy them exactly from the context"
                 )
             blocks.append(BlockWrite(index, fill_content(content, span), "anchor", _describe(index, summary)))
@@ -132,7 +135,7 @@ def run_compress(
         body = f"{SUMMARY_HEADER}\n(compression {n} at step {step}: {before} working tokens compressed)\n{capped}"
         text, _ = context.restart_from_summary(body, [], step)
         return ToolOutcome(observation=text, compressed=True)
-    blocks = _blocks_from_arguments(arguments.get("db_blocks"), context.working_text(exclude_last=True), summary)
+    blocks = _blocks_from_arguments(arguments.get("db_blocks"), context.anchor_source(exclude_last=True), summary)
     if isinstance(blocks, str):
         return _compress_error(blocks)
     store.write_many(blocks, step=step)

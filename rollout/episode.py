@@ -85,7 +85,7 @@ class Episode:
                                base=a.task_prompt)
         self.context = WorkingContext(
             self.renderer, system, task_message(answer.obs), self.memory.threshold, self.memory.warn_ratio,
-            show_status=a.status,
+            show_status=a.status, anchor_scope=self.memory.anchor_scope,
         )
 
     def request_ids(self) -> list[int]:

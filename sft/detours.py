@@ -93,7 +93,7 @@ def _wrong_ends(end: str, span: str) -> list[str]:
     return [f"{stripped}.", *(f"{name}." for name in re.findall(r"[a-z]+ \d+(?=,)", span)[::-1])]
 
 
-def break_compress(rng: random.Random, arguments: dict, context_text: str) -> tuple[str, dict] | None:
+def break_compress(rng: random.Random, arguments: dict, context_text: str | list[str]) -> tuple[str, dict] | None:
     """(kind, arguments) of a CompressExperience that the tool rejects, made from the correct
     `arguments` (not changed); None when no kind applies (no block to break)."""
     blocks = arguments.get("db_blocks") or []

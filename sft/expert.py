@@ -187,7 +187,7 @@ class MemexExpertEngine(ScriptedEngine):
         rng = detour_rng(self.seed, game_id(ep.traj.game), len(ep.traj.steps))
         if self.rejected_compress_rate > 0 and rng.random() < self.rejected_compress_rate:
             if rng.random() < 0.5:  # rejected by the tool
-                broken = break_compress(rng, arguments, ep.context.working_text())
+                broken = break_compress(rng, arguments, ep.context.anchor_source())
                 wrong = broken and (broken[0], self._fit(thoughts, COMPRESS, broken[1], budget))
             else:  # rejected by the parser
                 wrong = malform_call(rng, text)
@@ -206,7 +206,7 @@ class MemexExpertEngine(ScriptedEngine):
         When a name of the planned `action` would be in neither the summary nor a block afterwards
         (a small budget dropped its block), the summary says the next action exactly.
         """
-        context_text = ep.context.working_text()
+        context_text = ep.context.anchor_source()
         anchored = evidence_blocks(notes, targets, context_text, per_class=self.seen_evidence == "anchor")
         working, threshold = ep.context.working_tokens, ep.memory.threshold
         if reason == "milestone":
@@ -267,7 +267,7 @@ def index_for(text: str) -> str:
     return (re.sub(r"[^A-Za-z0-9_-]+", "_", text).strip("_") or "block")[:64]
 
 
-def evidence_blocks(notes: WorldNotes, targets: Targets, context_text: str, per_class: bool = True) -> list[dict]:
+def evidence_blocks(notes: WorldNotes, targets: Targets, context_text: str | list[str], per_class: bool = True) -> list[dict]:
     """Anchor-mode blocks for the exact evidence of this segment: the room overview (if `look` is in
     it), and (if `per_class`) for each target class the latest observation that shows one."""
     blocks = []
@@ -281,7 +281,7 @@ def evidence_blocks(notes: WorldNotes, targets: Targets, context_text: str, per_
     return [b for b in blocks if b is not None]
 
 
-def anchor_block(index: str, body: str, context_text: str, mid: str) -> dict | None:
+def anchor_block(index: str, body: str, context_text: str | list[str], mid: str) -> dict | None:
     """An anchor-mode block that makes anchors.py copy exactly `body` from the context (checked here)."""
     words = body.split(" ")
     if mid not in body:
@@ -320,7 +320,7 @@ def sought_class(task_type: str, notes: WorldNotes, targets: Targets) -> str:
     return targets.parent
 
 
-def block_content(block: dict, context_text: str) -> str:
+def block_content(block: dict, context_text: str | list[str]) -> str:
     """What a db_block will store: its db_content, or the span its anchors copy from the context."""
     if "db_content" in block:
         return block["db_content"]

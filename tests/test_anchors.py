@@ -34,3 +34,14 @@ def test_fill_content_placeholder_or_append():
     assert fill_content("Fridge: {{EXTRACT}} (step 3)", "apple 2") == "Fridge: apple 2 (step 3)"
     assert fill_content("Fridge contents", "apple 2") == "Fridge contents\napple 2"
     assert fill_content(None, "apple 2") == "apple 2"
+
+
+def test_a_list_of_texts_is_searched_one_by_one_and_no_span_crosses_two():
+    pieces = CONTEXT.split("\n\n")
+    assert extract_span(pieces, "You open", "lettuce", "tomato 3.") == pieces[1][: pieces[1].index("tomato 3.") + 9]
+    # In the joined context the span runs from fridge 1's arrival into the next observation; per piece it cannot.
+    assert extract_span(CONTEXT, "You arrive at fridge", "lettuce", "tomato 3.") is not None
+    assert extract_span(pieces, "You arrive at fridge", "lettuce", "tomato 3.") is None
+    # An exact match in a later piece wins over a whitespace-collapsed match in an earlier one.
+    assert extract_span(["an apple  2 here", "an apple 2 here"], "an apple 2", "apple", "here") == "an apple 2 here"
+    assert extract_span(["an apple  2 here"], "an apple 2", "apple", "here") == "an apple  2 here"

@@ -62,16 +62,38 @@ GOOD = {"summary": "Next: find a mug.\nIndex map:\n- room: room overview\n- fact
                        "end_anchor": "shelf 1."}, {"db_index": "facts", "db_content": "holding: nothing"}]}
 
 
-def compress_with(arguments, smol_tokenizer):
-    """Run CompressExperience for real on a context holding the look output: (outcome, store)."""
+def compress_with(arguments, smol_tokenizer, scope="context", before=()):
+    """Run CompressExperience for real on a context holding the look output (then the assistant turns
+    `before`, each answered by an observation): (outcome, store)."""
     from rollout.runner import make_renderer
 
     ctx = WorkingContext(make_renderer(smol_tokenizer, load_config(None, [])), "system", "find a mug.", threshold=1000,
-                         warn_ratio=0.8)
+                         warn_ratio=0.8, anchor_scope=scope)
     ctx.add_observation(LOOK, [])
+    for n, turn in enumerate(before, start=2):
+        ctx.add_assistant(turn, [1], [0.0], step=n)
+        ctx.add_observation("CompressExperience error: anchors not found.", [])
     ctx.add_assistant("Time to compress.", [1], [0.0], step=1)
     store = open_store("memory")
     return run_compress(arguments, ctx, store, step=1, summary_max_tokens=300), store
+
+
+def test_a_rejected_anchor_call_retried_unchanged_matches_its_own_text_only_in_scope_context(smol_tokenizer):
+    """memory.anchor_scope: the anchors of a rejected call stay in the context as the agent's own text; in
+    scope "context" (memex.md) the unchanged retry copies that text, in "observations" it is rejected again."""
+    import json
+
+    wrong = {"summary": "s", "db_blocks": [{"db_index": "room", "start_anchor": "You are in",
+                                            "mid_anchor": "mug 7", "end_anchor": "sofa 9."}]}
+    rejected = f'<tool_call>{{"name": "CompressExperience", "arguments": {json.dumps(wrong)}}}</tool_call>'
+    outcome, _ = compress_with(wrong, smol_tokenizer)
+    assert not outcome.compressed and "anchors not found" in outcome.error
+    outcome, store = compress_with(wrong, smol_tokenizer, "context", before=[rejected])
+    assert outcome.compressed and '"mid_anchor": "mug 7"' in store.read("room").content
+    outcome, store = compress_with(wrong, smol_tokenizer, "observations", before=[rejected])
+    assert not outcome.compressed and "anchors not found" in outcome.error and len(store) == 0
+    outcome, store = compress_with(GOOD, smol_tokenizer, "observations", before=[rejected])  # the right anchors
+    assert outcome.compressed and store.read("room").content == LOOK
 
 
 def test_a_broken_compression_is_rejected_by_the_real_tool_and_the_correct_one_is_not(smol_tokenizer):
