@@ -41,10 +41,11 @@ STAGES = ("expert", "sft", "grpo", "eval", "lme", "report")
 LME_DOMAINS = ("web",)  # the LME stage's synthetic haystack: the two web environments, one haystack for all
 # `memexrl demo --quick`: a first look in a few minutes (every stage runs, on the fewest games and steps).
 QUICK_OVERRIDES = [
-    "demo.output_dir=runs/demo-quick", "demo.expert_games=6", "demo.eval_games=2", "demo.eval_agents=memex",
+    "demo.output_dir=runs/demo-quick", "demo.expert_games=30", "demo.eval_games=2", "demo.eval_agents=memex",
     "demo.lme_questions=1", "demo.lme_context_tokens=2000",
-    "sft.max_steps=2", "train.steps=1", "train.group_size=2", "train.global_batch_size=2",
-]  # not a smaller rollout.max_new_tokens: it caps the expert's turns too, and no CompressExperience call fits in 96
+    "sft.max_steps=10", "train.steps=1", "train.group_size=2", "train.global_batch_size=2",
+]  # not a smaller rollout.max_new_tokens (it caps the expert's turns too), nor fewer SFT steps or shorter episodes:
+# the GRPO stage needs a start that writes an accepted compression, and episodes long enough to pass 0.8 T
 
 
 def names(csv: str) -> list[str]:

@@ -50,17 +50,15 @@ def test_a_demo_made_with_another_config_is_not_mixed_with_the_new_one(tmp_path,
     assert (out / "config.yaml").is_file()  # nothing was removed without --restart
 
 
-def test_the_expert_stage_keeps_the_games_that_needed_memory_for_grpo(tmp_path, alfworld_data):
+def test_the_quick_demos_expert_stage_keeps_games_that_needed_memory_for_sft_and_grpo(tmp_path, alfworld_data):
+    """`memexrl demo --quick` shows memory (issue 26): its demonstrations compress and read, and GRPO plays their games."""
     from envs.data import read_games_file
     from memexrl.demo import stage_expert
 
-    cfg = load_config("configs/demo.yaml", [f"env.data_dir={alfworld_data}", "env.num_workers=1",
-                                            "memory.threshold=400", "demo.expert_games=6",
-                                            "demo.expert_need_memory=true",
-                                            "demo.expert_task_types=pick_and_place_simple,look_at_obj_in_light"])
+    cfg = load_config("configs/demo.yaml", [*QUICK_OVERRIDES, f"env.data_dir={alfworld_data}", "env.num_workers=1"])
     demo = Demo(cfg, tmp_path)
     summary = demo.run_stage("expert", stage_expert)
-    assert 1 <= summary["kept"] <= summary["n_success"] <= 6
+    assert 2 <= summary["kept"] <= summary["n_success"] <= cfg.demo.expert_games  # SFT trains on >= 1, validates on 1
     assert summary["compress_per_episode"] >= 1 and summary["read_per_episode"] >= 1  # of the kept ones
     assert summary["segments_per_episode"] >= 2
     games = read_games_file(str(tmp_path / "expert" / "games.txt"), alfworld_data)
@@ -76,6 +74,8 @@ def test_quick_overrides_are_a_valid_smaller_config():
     assert quick.sft.max_steps < full.sft.max_steps and quick.demo.eval_games <= full.demo.eval_games
     assert quick.demo.lme_trajectories <= full.demo.lme_trajectories and quick.demo.lme_questions <= full.demo.lme_questions
     assert quick.train.max_episode_steps <= full.train.max_episode_steps
+    for cfg in (full, quick):  # memory in both: the expert's first compression comes at turn 4-7 (T 800)
+        assert cfg.demo.expert_need_memory and cfg.train.max_episode_steps >= 8 and cfg.demo.eval_max_steps >= 8
 
 
 def test_missing_data_stops_before_anything_runs(tmp_path):
