@@ -45,7 +45,8 @@ QUICK_OVERRIDES = [
     "demo.lme_questions=1", "demo.lme_context_tokens=2000",
     "sft.max_steps=10", "train.steps=1", "train.group_size=2", "train.global_batch_size=2",
 ]  # not a smaller rollout.max_new_tokens (it caps the expert's turns too), nor fewer SFT steps or shorter episodes:
-# the GRPO stage needs a start that writes an accepted compression, and episodes long enough to pass 0.8 T
+# the GRPO stage needs a start that writes an accepted compression (10 steps do not give one yet: docs/results.md
+# section 5) and episodes long enough to pass 0.8 T
 
 
 def names(csv: str) -> list[str]:
