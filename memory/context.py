@@ -153,19 +153,14 @@ class WorkingContext:
     def working_tokens(self) -> int:
         return self.segment.num_tokens - self.header_len
 
-    def working_text(self, exclude_last: bool = False) -> str:
-        """Text of the working messages (what anchors search); optionally without the newest one."""
-        return "\n\n".join(m["content"] for m in self._working(exclude_last))
-
     def anchor_source(self, exclude_last: bool = False) -> str | list[str]:
-        """What anchor-mode spans are searched in (memory/anchors.py): the working text (scope "context",
-        memex.md), or (scope "observations") each working message the agent did not write, one by one."""
+        """What anchor-mode spans are searched in (memory/anchors.py), optionally without the newest message:
+        the text of the working messages (scope "context", memex.md), or (scope "observations") each working
+        message the agent did not write, one by one."""
+        working = self.messages[2:-1] if exclude_last else self.messages[2:]
         if self.anchor_scope == "context":
-            return self.working_text(exclude_last)
-        return [m["content"] for m in self._working(exclude_last) if m["role"] != "assistant"]
-
-    def _working(self, exclude_last: bool) -> list[dict]:
-        return self.messages[2:-1] if exclude_last else self.messages[2:]
+            return "\n\n".join(m["content"] for m in working)
+        return [m["content"] for m in working if m["role"] != "assistant"]
 
     # --- turns --------------------------------------------------------------------------------
     def add_assistant(
