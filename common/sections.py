@@ -343,8 +343,10 @@ class EvalSection:
                             "")
     temperature: float = _help("Sampling temperature (0: greedy, the release's protocol).", 0.0)
     samples_per_game: int = _help(
-        "Episodes per game (> 1 needs temperature > 0): all of them play at once, batched, from the one sampler "
-        "seeded with `seed`; the results count episodes (n_games = games x samples).", 1)
+        "Episodes per game (> 1 needs temperature > 0), played in rounds of one episode per game, the sampler "
+        "reseeded with `seed + round` at each; every finished round is saved (OUT/partial.json), so the same "
+        "command run again continues an interrupted evaluation. The results count episodes (n_games = games x "
+        "samples).", 1)
     truncate_turns: int = _help("The truncate agent keeps this many last (reply, observation) turns (M²: 5).", 5)
     insights_from: str = _help(
         "m2 agent: comma-separated trajectory JSONL files to distil its insight bank from (successful training "

@@ -11,6 +11,7 @@ re-tokenised text (token-in / token-out).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -135,10 +136,10 @@ class Trajectory:
         return out
 
 
-def success_by_task_type(trajs: list[Trajectory]) -> dict[str, dict]:
-    """{task_type: {"games", "success", "success_rate"}} over `trajs`, sorted by task type."""
+def success_by_task_type(outcomes: Iterable[tuple[str, bool]]) -> dict[str, dict]:
+    """{task_type: {"games", "success", "success_rate"}} over (task type, success) pairs, sorted by task type."""
     by_type: dict[str, list[bool]] = {}
-    for t in trajs:
-        by_type.setdefault(t.task_type, []).append(t.success)
+    for task_type, success in outcomes:
+        by_type.setdefault(task_type, []).append(bool(success))
     return {k: {"games": len(v), "success": sum(v), "success_rate": round(sum(v) / len(v), 4)}
             for k, v in sorted(by_type.items())}

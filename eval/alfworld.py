@@ -23,13 +23,14 @@ from pathlib import Path
 from common.atomic import write_text_atomic
 from common.config import Config
 from common.errors import MemexError
-from common.trajectory import Trajectory, success_by_task_type
+from common.trajectory import CRASH, success_by_task_type
 from envs.data import ordered_games, read_games_file
 from rollout.strategies import AgentSpec, make_agent
 
 log = logging.getLogger(__name__)
 
 RESULT_FILE, EPISODES_FILE = "eval_alfworld.json", "episodes.jsonl"
+PARTIAL_FILE = "partial.json"  # the finished rounds of an evaluation still playing or interrupted
 
 
 def _mean(values) -> float:
@@ -37,26 +38,27 @@ def _mean(values) -> float:
     return round(statistics.fmean(values), 4) if values else 0.0
 
 
-def aggregate(trajs: list[Trajectory]) -> dict:
-    """Success overall and by task type, context and tool counts per episode, reward (design.md names)."""
-    stats = [t.stats for t in trajs]
+def aggregate(records: list[dict]) -> dict:
+    """Success overall and by task type, context and tool counts per episode, reward (design.md names),
+    over trajectory JSON (`Trajectory.to_json()`: what episodes.jsonl holds, and a resumed run reloads)."""
+    stats = [r["stats"] for r in records]
     return {
-        "n_games": len(trajs),
-        "n_crashed": sum(t.crashed for t in trajs),  # lost to an env worker / engine fault; counted as not won
-        "success_rate": _mean(t.success for t in trajs),
-        "by_task_type": success_by_task_type(trajs),
+        "n_games": len(records),
+        "n_crashed": sum(r["end_reason"] == CRASH for r in records),  # lost to an env worker / engine fault; not won
+        "success_rate": _mean(r["success"] for r in records),
+        "by_task_type": success_by_task_type((r["task_type"], r["success"]) for r in records),
         "peak_working_tokens_mean": _mean(s["peak_working_tokens"] for s in stats),
         "peak_working_tokens_max": max((s["peak_working_tokens"] for s in stats), default=0),
         "num_compress_mean": _mean(s["num_compress"] for s in stats),
         "num_compress_rejected_mean": _mean(s["num_compress_rejected"] for s in stats),
         "num_read_mean": _mean(s["num_read"] for s in stats),
         "num_read_miss_mean": _mean(s["num_read_miss"] for s in stats),
-        "num_segments_mean": _mean(len(t.segments) for t in trajs),
+        "num_segments_mean": _mean(len(r["segments"]) for r in records),
         "num_redundant_mean": _mean(s["num_redundant"] for s in stats),
         "num_format_errors_mean": _mean(s["num_format_errors"] for s in stats),
         "num_steps_mean": _mean(s["num_steps"] for s in stats),
-        "reward_mean": _mean(t.reward.get("total", 0.0) for t in trajs),
-        "end_reasons": dict(sorted(Counter(t.end_reason for t in trajs).items())),
+        "reward_mean": _mean(r["reward"].get("total", 0.0) for r in records),
+        "end_reasons": dict(sorted(Counter(r["end_reason"] for r in records).items())),
     }
 
 
@@ -112,7 +114,12 @@ def make_eval_engine(cfg: Config, checkpoint: str, out: Path):
 
 
 def evaluate(cfg: Config, progress: bool = True) -> dict:
-    """Play the eval games with the checkpoint and agent of cfg.eval; write and return the results."""
+    """Play the eval games with the checkpoint and agent of cfg.eval; write and return the results.
+
+    The episodes play in rounds, one episode of every game a round (eval.samples_per_game rounds), the
+    sampler reseeded with `seed + round` at each: a finished round is saved (OUT/partial.json), and the
+    same command run again after an interruption continues with the next round, with the episodes an
+    uninterrupted run would have played."""
     from rewards import score_trajectories
     from rollout.runner import make_renderer, open_envs, run_episodes
     from training.policy import resolve_checkpoint
@@ -122,6 +129,10 @@ def evaluate(cfg: Config, progress: bool = True) -> dict:
     games = eval_games(cfg)  # a bad split or missing data stops here, before any model loads
     agent = make_eval_agent(cfg)
     checkpoint = resolve_checkpoint(e.checkpoint or cfg.model.name, "eval.checkpoint")
+    setting = {"checkpoint": checkpoint, "agent": e.agent, "games": [str(g) for g in games],
+               "temperature": e.temperature, "seed": cfg.seed, "samples_per_game": e.samples_per_game,
+               "max_steps": cfg.env.max_steps}
+    rounds = load_partial(out, setting)  # a partial run of another setting stops here too
     fresh = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -130,32 +141,59 @@ def evaluate(cfg: Config, progress: bool = True) -> dict:
         if fresh and not any(out.iterdir()):  # a checkpoint that does not load leaves no empty result directory
             out.rmdir()
         raise
-    jobs = [(f"eval-{i}" if e.samples_per_game == 1 else f"eval-{i}-s{k}", str(g))
-            for i, g in enumerate(games) for k in range(e.samples_per_game)]
     start = time.perf_counter()
     with open_envs(cfg) as envs:
-        trajs = run_episodes(jobs, engine, envs, make_renderer(tokenizer, cfg, agent), cfg, agent=agent,
-                             progress=progress, run_dir=out)
-    score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
+        renderer = make_renderer(tokenizer, cfg, agent)
+        for k in range(len(rounds), e.samples_per_game):
+            if e.samples_per_game > 1:
+                log.info("round %d of %d: one episode of each of the %d games", k + 1, e.samples_per_game, len(games))
+            engine.reseed(cfg.seed + k)
+            jobs = [(f"eval-{i}" if e.samples_per_game == 1 else f"eval-{i}-s{k}", str(g)) for i, g in enumerate(games)]
+            trajs = run_episodes(jobs, engine, envs, renderer, cfg, agent=agent, progress=progress, run_dir=out)
+            score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
+            rounds.append([t.to_json() for t in trajs])
+            if k + 1 < e.samples_per_game:
+                write_text_atomic(out / PARTIAL_FILE, json.dumps({"setting": setting, "rounds": rounds}) + "\n")
+    records = [rounds[k][i] for i in range(len(games)) for k in range(e.samples_per_game)]  # game by game
     result = {"split": e.split, "agent": e.agent, "checkpoint": checkpoint, "temperature": e.temperature,
               "seed": cfg.seed, "samples_per_game": e.samples_per_game,
               **({"games_file": e.games_file} if e.games_file else {}),
               **({"task_types": e.task_types} if e.task_types else {}), "max_steps": cfg.env.max_steps,
-              **aggregate(trajs), "seconds": round(time.perf_counter() - start, 1)}
-    write_results(out, result, trajs)
+              **aggregate(records), "seconds": round(time.perf_counter() - start, 1)}
+    write_results(out, result, records)
+    (out / PARTIAL_FILE).unlink(missing_ok=True)
     cfg.save(out / "config.yaml")
     if e.wandb:
-        log_to_wandb(out, result, trajs)
+        log_to_wandb(out, result, records)
     return result
 
 
-def write_results(out: Path, result: dict, trajs: list[Trajectory]) -> None:
+def load_partial(out: Path, setting: dict) -> list[list[dict]]:
+    """The finished rounds OUT/partial.json holds ([] if none); one of another setting is an error."""
+    path = out / PARTIAL_FILE
+    if not path.exists():
+        return []
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        old, rounds = saved["setting"], saved["rounds"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise MemexError(f"{path} is not a partial evaluation this version wrote ({type(exc).__name__}: {exc}): "
+                         f"delete it to start the evaluation over") from None
+    changed = [k for k in setting if old.get(k) != setting[k]]
+    if changed:
+        raise MemexError(f"{out} holds a partial evaluation of another setting ({changed[0]}: {old.get(changed[0])!r}, "
+                         f"now {setting[changed[0]]!r}): use another --out, or delete {path} to start over")
+    log.info("%s: %d of %d rounds already played; continuing", path, len(rounds), setting["samples_per_game"])
+    return rounds
+
+
+def write_results(out: Path, result: dict, records: list[dict]) -> None:
     """OUT/episodes.jsonl, then OUT/eval_alfworld.json (written last: its presence means a complete run)."""
-    write_text_atomic(out / EPISODES_FILE, "".join(json.dumps(t.to_json()) + "\n" for t in trajs))
+    write_text_atomic(out / EPISODES_FILE, "".join(json.dumps(r) + "\n" for r in records))
     write_text_atomic(out / RESULT_FILE, json.dumps(result, indent=1) + "\n")
 
 
-def log_to_wandb(out: Path, result: dict, trajs: list[Trajectory]) -> None:
+def log_to_wandb(out: Path, result: dict, records: list[dict]) -> None:
     from training.log import import_wandb
 
     wandb = import_wandb(out)
@@ -165,10 +203,10 @@ def log_to_wandb(out: Path, result: dict, trajs: list[Trajectory]) -> None:
                      job_type="eval", config={k: v for k, v in result.items() if not isinstance(v, dict)})
     run.summary.update({f"eval/{k}": v for k, v in result.items() if isinstance(v, int | float)})
     table = wandb.Table(columns=["game", "task_type", "success", "steps", "peak_working_tokens", "compress", "read"])
-    for t in trajs:
-        s = t.stats
-        table.add_data(t.game, t.task_type, t.success, s["num_steps"], s["peak_working_tokens"], s["num_compress"],
-                       s["num_read"])
+    for r in records:
+        s = r["stats"]
+        table.add_data(r["game"], r["task_type"], r["success"], s["num_steps"], s["peak_working_tokens"],
+                       s["num_compress"], s["num_read"])
     run.log({"eval/episodes": table})
     run.finish()
 

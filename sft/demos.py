@@ -48,7 +48,7 @@ def demo_report(trajs: list[Trajectory]) -> dict:
         "n_games": len(trajs),
         "n_success": len(kept),
         "success_rate": round(len(kept) / len(trajs), 4) if trajs else 0.0,
-        "by_task_type": success_by_task_type(trajs),
+        "by_task_type": success_by_task_type((t.task_type, t.success) for t in trajs),
         "mean_steps": _mean([s["num_steps"] for s in stats]),
         "mean_steps_all": _mean([t.stats["num_steps"] for t in trajs]),
         "compress_per_episode": _mean([s["num_compress"] for s in stats]),

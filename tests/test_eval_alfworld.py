@@ -37,7 +37,7 @@ def traj(task_type, success, peak, compress=0, read=0, total=0.0, rejected=0, mi
     t.steps += [Step("r", "ReadExperience", {"db_index": "x"}, False, None, "b", 20)] * read
     t.steps += [Step("r", "ReadExperience", {"db_index": "y"}, False, "no index 'y'", "e", 20)] * missed
     t.segments = [Segment(first_step=0, prompt_ids=[1]) for _ in range(compress + 1)]
-    return t
+    return t.to_json()  # aggregate() reads the trajectory JSON episodes.jsonl holds
 
 
 def test_aggregate_by_hand():
@@ -129,6 +129,41 @@ def test_samples_per_game_plays_each_game_that_many_times_with_different_samples
     replies = [[s["assistant"] for s in e["steps"]] for e in episodes]
     assert replies[0] != replies[1] and replies[2] != replies[3]  # sampled, not one episode copied
     assert "4 episodes (2 valid_unseen games x 2)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_an_interrupted_sampled_evaluation_continues_with_the_episodes_of_an_uninterrupted_one(
+        alfworld_data, tiny_eos_model, tmp_path, capsys, monkeypatch):
+    """A 3-hour evaluation on one core is played in parts: rerunning the command continues with the next round."""
+    import rollout.runner
+
+    args = ["eval", "alfworld", "--checkpoint", tiny_eos_model, "--split", "valid_unseen", "--games", "2",
+            "--samples", "3", f"env.data_dir={alfworld_data}", "env.max_steps=2", "env.num_workers=1",
+            "rollout.max_new_tokens=12", "eval.temperature=1.0", "seed=5"]
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0, capsys.readouterr().err
+    whole = (tmp_path / "whole" / "episodes.jsonl").read_text()
+    assert not (tmp_path / "whole" / "partial.json").exists()
+
+    real_run, calls = rollout.runner.run_episodes, []
+
+    def interrupted_in_round_2(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the session ends while round 2 plays
+        return real_run(*a, **kw)
+
+    monkeypatch.setattr(rollout.runner, "run_episodes", interrupted_in_round_2)
+    out = tmp_path / "parts"
+    assert main([*args, "--out", str(out)]) == 130  # Ctrl-C
+    assert not (out / RESULT_FILE).exists() and len(json.loads((out / "partial.json").read_text())["rounds"]) == 1
+    # the same directory with another setting is refused, and its finished round kept
+    assert main([*args[:-1], "seed=6", "--out", str(out)]) == 2
+    assert "partial evaluation of another setting (seed: 5, now 6)" in capsys.readouterr().err
+    assert (out / "partial.json").exists()
+    assert main([*args, "--out", str(out)]) == 0, capsys.readouterr().err
+    assert len(calls) == 4  # rounds 2 and 3 only: round 1 was not played again
+    assert (out / "episodes.jsonl").read_text() == whole  # the episodes of the uninterrupted run
+    assert json.loads((out / RESULT_FILE).read_text())["n_games"] == 6 and not (out / "partial.json").exists()
 
 
 @pytest.mark.parametrize("args, fragment", [
