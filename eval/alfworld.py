@@ -132,7 +132,7 @@ def evaluate(cfg: Config, progress: bool = True) -> dict:
     setting = {"checkpoint": checkpoint, "agent": e.agent, "games": [str(g) for g in games],
                "temperature": e.temperature, "seed": cfg.seed, "samples_per_game": e.samples_per_game,
                "max_steps": cfg.env.max_steps}
-    rounds = load_partial(out, setting)  # a partial run of another setting stops here too
+    rounds, earlier_seconds = load_partial(out, setting)  # a partial run of another setting stops here too
     fresh = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -153,13 +153,15 @@ def evaluate(cfg: Config, progress: bool = True) -> dict:
             score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
             rounds.append([t.to_json() for t in trajs])
             if k + 1 < e.samples_per_game:
-                write_text_atomic(out / PARTIAL_FILE, json.dumps({"setting": setting, "rounds": rounds}) + "\n")
+                seconds = earlier_seconds + time.perf_counter() - start
+                write_text_atomic(out / PARTIAL_FILE, json.dumps({"setting": setting, "rounds": rounds,
+                                                                  "seconds": seconds}) + "\n")
     records = [rounds[k][i] for i in range(len(games)) for k in range(e.samples_per_game)]  # game by game
     result = {"split": e.split, "agent": e.agent, "checkpoint": checkpoint, "temperature": e.temperature,
               "seed": cfg.seed, "samples_per_game": e.samples_per_game,
               **({"games_file": e.games_file} if e.games_file else {}),
               **({"task_types": e.task_types} if e.task_types else {}), "max_steps": cfg.env.max_steps,
-              **aggregate(records), "seconds": round(time.perf_counter() - start, 1)}
+              **aggregate(records), "seconds": round(earlier_seconds + time.perf_counter() - start, 1)}  # all parts
     write_results(out, result, records)
     (out / PARTIAL_FILE).unlink(missing_ok=True)
     cfg.save(out / "config.yaml")
@@ -168,14 +170,15 @@ def evaluate(cfg: Config, progress: bool = True) -> dict:
     return result
 
 
-def load_partial(out: Path, setting: dict) -> list[list[dict]]:
-    """The finished rounds OUT/partial.json holds ([] if none); one of another setting is an error."""
+def load_partial(out: Path, setting: dict) -> tuple[list[list[dict]], float]:
+    """The finished rounds OUT/partial.json holds and the seconds they took ([], 0.0 if none); a partial
+    evaluation of another setting is an error."""
     path = out / PARTIAL_FILE
     if not path.exists():
-        return []
+        return [], 0.0
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
-        old, rounds = saved["setting"], saved["rounds"]
+        old, rounds, seconds = saved["setting"], saved["rounds"], float(saved.get("seconds", 0.0))
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
         raise MemexError(f"{path} is not a partial evaluation this version wrote ({type(exc).__name__}: {exc}): "
                          f"delete it to start the evaluation over") from None
@@ -184,7 +187,7 @@ def load_partial(out: Path, setting: dict) -> list[list[dict]]:
         raise MemexError(f"{out} holds a partial evaluation of another setting ({changed[0]}: {old.get(changed[0])!r}, "
                          f"now {setting[changed[0]]!r}): use another --out, or delete {path} to start over")
     log.info("%s: %d of %d rounds already played; continuing", path, len(rounds), setting["samples_per_game"])
-    return rounds
+    return rounds, seconds
 
 
 def write_results(out: Path, result: dict, records: list[dict]) -> None:
