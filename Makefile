@@ -36,7 +36,7 @@ $(DATA)/.ready: $(STAMP)
 
 data: $(DATA)/.ready
 
-# `make demo DEMO_ARGS=--quick` for a first look; interrupted, it resumes at the stage it was in.
+# `make demo DEMO_ARGS=--quick` for the smallest sizes that still show memory; interrupted, it resumes at the stage it was in.
 # Its stages run one at a time, so torch uses every core (the tests keep one thread per process).
 DEMO_THREADS ?= $(shell nproc 2>/dev/null || echo 1)
 demo: install data

@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     dem = sub.add_parser("demo", help="the whole pipeline at small scale, resumable: expert, SFT, GRPO, evals, report")
     dem.add_argument("--config", default="configs/demo.yaml", help="YAML config (its demo section sizes the stages)")
     dem.add_argument("--out", default=None, help="output directory (demo.output_dir, default runs/demo)")
-    dem.add_argument("--quick", action="store_true", help="the smallest sizes: a first look in a few minutes")
+    dem.add_argument("--quick", action="store_true", help="the smallest sizes that still show memory (QUICK_OVERRIDES)")
     dem.add_argument("--restart", action="store_true", help="remove the output directory and start over")
     dem.add_argument("overrides", nargs="*", help="config overrides, section.key=value")
     dem.set_defaults(func=cmd_demo)

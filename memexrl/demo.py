@@ -14,7 +14,7 @@ Stages, in order (each a directory under `demo.output_dir`):
 A stage is done when its `DONE.json` exists (written last, atomically, with the stage's summary);
 a second run skips done stages. Interrupted stages (Ctrl-C, a crash) have no `DONE.json`: their
 directory is removed and the stage runs again from its start, so a half-written stage never feeds
-the next one. `--quick` applies `QUICK_OVERRIDES` (the smallest sizes that still run every stage).
+the next one. `--quick` applies `QUICK_OVERRIDES` (the smallest sizes that still show memory).
 """
 
 from __future__ import annotations
@@ -39,14 +39,15 @@ log = logging.getLogger(__name__)
 DONE_FILE = "DONE.json"
 STAGES = ("expert", "sft", "grpo", "eval", "lme", "report")
 LME_DOMAINS = ("web",)  # the LME stage's synthetic haystack: the two web environments, one haystack for all
-# `memexrl demo --quick`: a first look in a few minutes (every stage runs, on the fewest games and steps).
+# `memexrl demo --quick`: every stage, on the fewest games and steps that still show memory.
 QUICK_OVERRIDES = [
-    "demo.output_dir=runs/demo-quick", "demo.expert_games=30", "demo.eval_games=2", "demo.eval_agents=memex",
+    "demo.output_dir=runs/demo-quick", "demo.eval_games=2", "demo.eval_agents=memex",
     "demo.lme_questions=1", "demo.lme_context_tokens=2000",
-    "sft.max_steps=10", "train.steps=1", "train.group_size=2", "train.global_batch_size=2",
-]  # not a smaller rollout.max_new_tokens (it caps the expert's turns too), nor fewer SFT steps or shorter episodes:
-# the GRPO stage needs a start that writes an accepted compression (10 steps do not give one yet: docs/results.md
-# section 5) and episodes long enough to pass 0.8 T
+    "sft.max_steps=20", "sft.learning_rate=2.0e-4", "train.steps=1",
+]  # the full demo's expert games (40: ~7 training demonstrations that need memory) and GRPO group (4): with
+# 30 games (2 demonstrations) or 10 SFT steps the start wrote no accepted compression, and with a group of 2
+# one GRPO rollout or none compresses (docs/results.md section 5). Not a smaller rollout.max_new_tokens (it caps
+# the expert's turns too) nor shorter episodes: they must pass 0.8 T.
 
 
 def names(csv: str) -> list[str]:

@@ -70,7 +70,8 @@ def test_the_quick_demos_expert_stage_keeps_games_that_needed_memory_for_sft_and
 def test_quick_overrides_are_a_valid_smaller_config():
     full, quick = load_config("configs/demo.yaml", []), load_config("configs/demo.yaml", QUICK_OVERRIDES)
     assert quick.demo.output_dir != full.demo.output_dir  # a quick look never blocks the full demo's resume
-    assert quick.demo.expert_games < full.demo.expert_games and quick.train.steps <= full.train.steps
+    assert quick.demo.expert_games <= full.demo.expert_games and quick.train.steps < full.train.steps
+    assert quick.train.group_size >= 4  # with 2 rollouts, often none compresses: GRPO's one segment each
     assert quick.sft.max_steps < full.sft.max_steps and quick.demo.eval_games <= full.demo.eval_games
     assert quick.demo.lme_trajectories <= full.demo.lme_trajectories and quick.demo.lme_questions <= full.demo.lme_questions
     assert quick.train.max_episode_steps <= full.train.max_episode_steps
