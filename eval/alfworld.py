@@ -142,6 +142,9 @@ def evaluate(cfg: Config, progress: bool = True) -> dict:
             out.rmdir()
         raise
     start = time.perf_counter()
+
+    def seconds_so_far() -> float:  # every part of a resumed evaluation
+        return earlier_seconds + time.perf_counter() - start
     with open_envs(cfg) as envs:
         renderer = make_renderer(tokenizer, cfg, agent)
         for k in range(len(rounds), e.samples_per_game):
@@ -153,15 +156,14 @@ def evaluate(cfg: Config, progress: bool = True) -> dict:
             score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
             rounds.append([t.to_json() for t in trajs])
             if k + 1 < e.samples_per_game:
-                seconds = earlier_seconds + time.perf_counter() - start
                 write_text_atomic(out / PARTIAL_FILE, json.dumps({"setting": setting, "rounds": rounds,
-                                                                  "seconds": seconds}) + "\n")
+                                                                  "seconds": seconds_so_far()}) + "\n")
     records = [rounds[k][i] for i in range(len(games)) for k in range(e.samples_per_game)]  # game by game
     result = {"split": e.split, "agent": e.agent, "checkpoint": checkpoint, "temperature": e.temperature,
               "seed": cfg.seed, "samples_per_game": e.samples_per_game,
               **({"games_file": e.games_file} if e.games_file else {}),
               **({"task_types": e.task_types} if e.task_types else {}), "max_steps": cfg.env.max_steps,
-              **aggregate(records), "seconds": round(earlier_seconds + time.perf_counter() - start, 1)}  # all parts
+              **aggregate(records), "seconds": round(seconds_so_far(), 1)}
     write_results(out, result, records)
     (out / PARTIAL_FILE).unlink(missing_ok=True)
     cfg.save(out / "config.yaml")

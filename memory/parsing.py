@@ -256,6 +256,19 @@ def parse_tool_call(text: str, tools: tuple[str, ...] | None = None, optional: t
     return ParsedCall(kind="call", name=name, arguments=arguments)
 
 
+def render_tool_call(name: str, arguments: dict[str, Any], thought: str = "") -> str:
+    """One assistant reply holding one call, as the contract above writes it (what `parse_tool_call` reads):
+    the optional free-text `thought` on its own line, then <tool_call>{"name": ..., "arguments": ...}</tool_call>.
+    The scripted experts and the tests write their replies with it. A tag inside an argument (archived text
+    that holds "</tool_call>" or "<think>") has its "<" written as the JSON escape \\u003c, so the reply
+    parses back to exactly these arguments."""
+    body = json.dumps({"name": name, "arguments": arguments})
+    for tag in (OPEN_TAG, CLOSE_TAG, THINK_OPEN, THINK_CLOSE):  # only inside JSON strings: the rest has no "<"
+        body = body.replace(tag, "\\u003c" + tag[1:])
+    call = OPEN_TAG + body + CLOSE_TAG
+    return f"{thought}\n{call}" if thought else call
+
+
 def canonical_call(name: str, arguments: dict[str, Any]) -> str:
     """(tool name, arguments with sorted keys): the identity used by the redundancy penalty."""
     return name + ":" + json.dumps(arguments, sort_keys=True, ensure_ascii=False)

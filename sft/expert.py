@@ -28,14 +28,13 @@ random moves, which no policy could learn from the context).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import re
 from collections import Counter
 
 from common.engine import GenerationRequest
 from memory.anchors import extract_span
-from memory.parsing import COMPRESS, EXECUTE_ACTION, READ
+from memory.parsing import COMPRESS, EXECUTE_ACTION, READ, render_tool_call
 from rollout.scripted import ScriptedEngine
 from sft.dataset import game_id
 from sft.detours import (
@@ -245,14 +244,13 @@ class MemexExpertEngine(ScriptedEngine):
 
     def _fit(self, thoughts: list[str], name: str, arguments: dict, budget: int) -> str | None:
         """Thought + one tool call, with the first thought (then none) that fits `budget` tokens."""
-        call = "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
         for thought in [*thoughts, ""]:
-            text = f"{thought}\n{call}" if thought else call
+            text = render_tool_call(name, arguments, thought)
             if len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + 1 <= budget:
                 return text
         if name != COMPRESS:  # an action must go out: the engine cuts it (a format error) rather than stall
             log.warning("a %s call does not fit in %d new tokens", name, budget)
-            return call
+            return render_tool_call(name, arguments)
         return None
 
 

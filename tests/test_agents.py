@@ -5,12 +5,12 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import json  # noqa: E402
 
 import pytest  # noqa: E402
 
 from common.config import load_config  # noqa: E402
 from envs.data import resolve_game  # noqa: E402
+from memory.parsing import render_tool_call  # noqa: E402
 from rollout.runner import make_renderer, open_envs, run_episodes  # noqa: E402
 from rollout.scripted import ScriptedEngine  # noqa: E402
 from rollout.strategies import AGENT_NAMES, CHAIN_HEADER, make_agent, state_summary  # noqa: E402
@@ -20,7 +20,7 @@ MOVES = ["go to drawer 1", "open drawer 1", "go to drawer 2", "open drawer 2", "
 
 
 def call(name, **arguments):
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+    return render_tool_call(name, arguments)
 
 
 def act(action, state=None):

@@ -13,7 +13,7 @@ from common.config import load_config  # noqa: E402
 from envs.data import ordered_games  # noqa: E402
 from memexrl.cli import replay  # noqa: E402
 from memory.context import WorkingContext  # noqa: E402
-from memory.parsing import COMPRESS, parse_tool_call  # noqa: E402
+from memory.parsing import COMPRESS, parse_tool_call, render_tool_call  # noqa: E402
 from memory.store import open_store  # noqa: E402
 from memory.tools import run_compress  # noqa: E402
 from sft import detours  # noqa: E402
@@ -81,7 +81,6 @@ def compress_with(arguments, smol_tokenizer, scope="context", before=()):
 def test_a_rejected_anchor_call_retried_unchanged_matches_its_own_text_only_in_scope_context(smol_tokenizer):
     """memory.anchor_scope: the anchors of a rejected call stay in the context as the agent's own text; in
     scope "context" (memex.md) the unchanged retry copies that text, in "observations" it is rejected again."""
-    import json
 
     wrong = {"summary": "s", "db_blocks": [{"db_index": "room", "start_anchor": "You are in",
                                             "mid_anchor": "mug 7", "end_anchor": "sofa 9."}]}
@@ -113,7 +112,7 @@ def test_a_broken_compression_is_rejected_by_the_real_tool_and_the_correct_one_i
 
 
 def test_a_malformed_compression_is_a_format_error_and_its_answer_is_shorter(smol_tokenizer):
-    text = "Time to compress.\n<tool_call>" + json.dumps({"name": COMPRESS, "arguments": GOOD}) + "</tool_call>"
+    text = render_tool_call(COMPRESS, GOOD, "Time to compress.")
     seen = set()
     for seed in range(30):
         kind, bad = detours.malform_call(random.Random(seed), text)
@@ -124,7 +123,7 @@ def test_a_malformed_compression_is_a_format_error_and_its_answer_is_shorter(smo
         assert detours.recovery_thought(parsed.error) not in (detours.recovery_thought("anchors not found"), detours.recovery_thought("x"))
     assert seen == set(detours.MALFORMED_CALL_KINDS)
     # A brace inside a string is never the one left out: the result must still fail to parse.
-    braces = "x\n<tool_call>" + json.dumps({"name": COMPRESS, "arguments": {"summary": "}}}", "db_blocks": []}}) + "</tool_call>"
+    braces = render_tool_call(COMPRESS, {"summary": "}}}", "db_blocks": []}, "x")
     for seed in range(10):
         assert parse_tool_call(detours.malform_call(random.Random(seed), braces)[1]).format_error
     assert detours.malform_call(random.Random(0), "no call here") is None

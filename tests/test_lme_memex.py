@@ -12,6 +12,7 @@ from common.config import load_config  # noqa: E402
 from common.errors import MemexError  # noqa: E402
 from eval.lme.memory.base import MemoryOptions, load_memory, make_memory  # noqa: E402
 from eval.lme.memory.memex import STORE_FILE, TrajectoryPager  # noqa: E402
+from memory.parsing import render_tool_call as call  # noqa: E402
 from rollout.scripted import ScriptedEngine  # noqa: E402
 
 AXTREE = "[a1] RootWebArea 'ShopNova Admin'\n  [a7] heading 'Store settings'\n  [a12] textbox 'Currency' value: 'EUR'"
@@ -26,10 +27,6 @@ TRAJ = {
         {"url": "http://shopnova/admin/settings", "action": None, "thought": "", "accessibility_tree": AXTREE},
     ],
 }
-
-
-def call(name: str, arguments: dict, thought: str = "") -> str:
-    return f"{thought}\n<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>".strip()
 
 
 INSERT = [

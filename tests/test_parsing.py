@@ -4,17 +4,13 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import json
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memory.parsing import CALL_EXAMPLES, COMPRESS, EXECUTE_ACTION, canonical_call, parse_tool_call
-
-
-def call(name, arguments):
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+from memory.parsing import render_tool_call as call
 
 
 def test_well_formed_call_after_thinking_text():
@@ -95,3 +91,16 @@ def test_parser_never_crashes_on_random_text(text):
     parsed = parse_tool_call(text)
     assert parsed.kind in ("call", "none", "malformed")
     assert (parsed.error is not None) == (parsed.kind == "malformed")
+
+
+@settings(max_examples=300, deadline=None)
+@given(summary=st.lists(st.one_of(st.text(alphabet=st.characters(blacklist_categories=("Cs",))),
+                                   st.sampled_from(["<tool_call>", "</tool_call>", "<think>", "</think>", "<"]))
+                         ).map("".join),
+       thought=st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40))
+def test_a_rendered_call_parses_back_to_its_arguments(summary, thought):
+    """The experts write their replies with render_tool_call (`call` here): whatever a summary holds (braces,
+    quotes, newlines, the call and think tags), the parser reads back exactly the call that was written."""
+    arguments = {"summary": summary, "db_blocks": [{"db_index": "facts", "db_content": summary}]}
+    parsed = parse_tool_call(call(COMPRESS, arguments, thought.replace("<", "")))
+    assert (parsed.kind, parsed.name, parsed.arguments) == ("call", COMPRESS, arguments)

@@ -15,12 +15,13 @@ from common.errors import MemexError
 from envs.alfworld import LOOK_REFUSAL, ModifiedAlfWorld
 from envs.data import resolve_game
 from memexrl.cli import replay
+from memory.parsing import render_tool_call
 from memory.tools import SUMMARY_HEADER, TRUNCATION_MARKER
 from rollout.runner import episode_stores
 
 
 def call(name: str, **arguments) -> str:
-    return "Thinking.\n<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+    return render_tool_call(name, arguments, "Thinking.")
 
 
 def act(action: str) -> str:

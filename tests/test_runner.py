@@ -5,7 +5,6 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import json
 import signal
 
 import pytest
@@ -13,12 +12,13 @@ import pytest
 from common.config import load_config
 from envs.data import resolve_game
 from envs.pool import EnvPool
+from memory.parsing import render_tool_call
 from rollout.runner import make_renderer, open_envs, run_episodes
 from rollout.scripted import ScriptedEngine
 
 
 def act(action):
-    return "<tool_call>" + json.dumps({"name": "execute_action", "arguments": {"action": action}}) + "</tool_call>"
+    return render_tool_call("execute_action", {"action": action})
 
 
 SCRIPT = [act("look"), act("inventory"), act("go to drawer 1"), act("open drawer 1"), act("inventory")]

@@ -14,13 +14,14 @@ import yaml
 from common.config import load_config
 from common.errors import MemexError
 from envs.data import TASK_TYPES, resolve_game
+from memory.parsing import render_tool_call
 from rollout.runner import make_renderer, open_envs, run_episodes
 from rollout.scripted import ScriptedEngine
 from sft.dataset import build_dataset, game_id, load_demonstrations, segment_rows, split_games
 
 
 def call(name, **arguments):
-    return "Next.\n<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+    return render_tool_call(name, arguments, "Next.")
 
 
 SCRIPT = [
