@@ -115,6 +115,12 @@ class Config:
             (self.train.lr_scheduler in ("constant", "cosine"), "train.lr_scheduler must be constant or cosine"),
             (self.train.mixed_precision in ("no", "bf16", "fp16"), "train.mixed_precision must be no, bf16 or fp16"),
             (self.train.steps > 0 and self.train.save_steps > 0, "train.steps and train.save_steps must be > 0"),
+            (self.train.env in ("alfworld", "reading", "mixed"), "train.env must be alfworld, reading or mixed"),
+            (self.train.env == "alfworld" or self.train.reading_tasks,
+             f"train.env={self.train.env} needs train.reading_tasks: the games.txt that `memexrl lme tasks --out DIR` "
+             "writes"),
+            (self.train.env != "mixed" or 0 < self.train.reading_share < 1,
+             "train.reading_share must be in (0, 1) with train.env=mixed"),
             (not (self.train.fake_quant_group_size and self.train.finetune == "qlora"),
              "train.fake_quant_group_size needs finetune lora or full: a qlora base is already 4-bit (NF4)"),
         ]

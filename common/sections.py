@@ -234,6 +234,14 @@ class TrainSection:
         "Draw tasks from the games this file lists (one per line; `memexrl expert` writes DIR/games.txt, e.g. "
         "the games where the expert needed memory) instead of split / game_order / task_types; num_games "
         "still takes its first N. '' = off.", "")
+    env: str = _help(
+        "What the tasks are: 'alfworld' (the modified ALFWorld: split / games_file above), 'reading' (the reading "
+        "env of issue 27: reading_tasks) or 'mixed' (both: reading_share of each step's tasks are reading tasks).",
+        "alfworld")
+    reading_tasks: str = _help(
+        "The reading tasks' games file (`memexrl lme tasks --out DIR` writes DIR/games.txt); several sets: list "
+        "them comma-separated. Needed by env reading and mixed.", "")
+    reading_share: float = _help("env mixed: the share of each step's tasks that are reading tasks (in (0, 1)).", 0.5)
     steps: int = _help("Rollout steps (the release: --num-rollout 3000; configs/release.yaml).", 50)
     tasks_per_step: int = _help("Distinct games per rollout step (release: 32).", 32)
     group_size: int = _help("G: rollouts per game, one GRPO group (release: 8).", 8)

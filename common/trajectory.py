@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+READING_TASK = "reading"  # Trajectory.task["kind"] of a reading episode
+
 
 @dataclass
 class Step:
@@ -28,10 +30,12 @@ class Step:
     compressed: bool = False
     redundant: bool = False
     state_changing: bool = False  # an env action that may change the world (resets redundancy tracking)
+    advances: bool = False  # an env action that showed new content (a reading page): tracking restarts empty
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("state_changing")
+        out.pop("advances")
         return out
 
 
@@ -85,6 +89,14 @@ class Trajectory:
     experience: dict[str, str] = field(default_factory=dict)
     end_reason: str = ""  # finish | env_done | step_limit | script_exhausted | context_limit | crash
     error: str | None = None  # why an episode was lost (a crash), if it was
+    # What the env said of the task beyond its goal, for scoring (never shown to the policy): the reading env's
+    # planted evidence and read budget (envs/reading.py), and the step at which its question was asked.
+    task: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def reading(self) -> bool:
+        """An episode of the reading env (envs/reading.py), scored by its evidence recall (rewards/reading.py)."""
+        return self.task.get("kind") == READING_TASK
 
     @property
     def crashed(self) -> bool:
@@ -133,6 +145,8 @@ class Trajectory:
         }
         if self.error:
             out["error"] = self.error
+        if self.task:
+            out["task"] = self.task
         return out
 
 

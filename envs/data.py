@@ -25,6 +25,8 @@ from collections import defaultdict
 from pathlib import Path, PurePosixPath
 
 from common.errors import MemexError
+from envs.games import is_reading_task
+from envs.reading import load_reading_task
 
 logger = logging.getLogger(__name__)
 
@@ -233,8 +235,12 @@ list_games.cache_clear = _list_games.cache_clear  # type: ignore[attr-defined]
 
 
 def resolve_game(spec: str | Path, data_dir: str | Path = "") -> Path:
-    """A game's `game.tw-pddl` path from a game directory, a game.tw-pddl path, or `SPLIT:INDEX`."""
+    """A game's `game.tw-pddl` path from a game directory, a game.tw-pddl path, or `SPLIT:INDEX`; or a reading
+    task's `.json` path (envs/reading.py), checked."""
     text = str(spec)
+    if is_reading_task(text):
+        load_reading_task(text)  # a missing or broken task file stops here, with what to fix
+        return Path(text).expanduser()
     split, sep, index = text.partition(":")
     if sep and not Path(text).exists() and (split in SPLITS or split in SPLIT_ALIASES or index.isdigit()):
         _split_dirs(split)  # a clear error for a bad split name
@@ -278,7 +284,8 @@ def game_spec(game: str | Path, data_dir: str | Path = "") -> str:
 
 def read_games_file(path: str | Path, data_dir: str | Path = "") -> list[Path]:
     """The games a games file lists, in its order: one per line, a path relative to the ALFWorld data root
-    (what `memexrl expert` writes), an absolute path or game directory, or SPLIT:INDEX; blank lines and
+    (what `memexrl expert` writes), an absolute path or game directory, or SPLIT:INDEX; or a reading task's
+    `.json` path, relative to the games file (what `memexrl lme tasks` writes) or absolute; blank lines and
     `#` comments are skipped. A missing or unreadable file, or a line that names no game, stops with the
     line's number."""
     file = Path(path).expanduser()
@@ -287,15 +294,17 @@ def read_games_file(path: str | Path, data_dir: str | Path = "") -> list[Path]:
     except (OSError, UnicodeDecodeError) as e:
         raise MemexError(f"cannot read the games file {file} ({getattr(e, 'strerror', None) or e}): "
                          f"give a text file of games, one per line (`memexrl expert` writes DIR/{GAMES_FILE})") from None
-    root = data_root(data_dir)
     games = []
     for number, line in enumerate(lines, 1):
         spec = line.split("#", 1)[0].strip()
         if not spec:
             continue
-        under_root = root / spec
+        # a relative path: a reading task's is relative to the games file, an ALFWorld game's to the data root
+        base = file.parent if is_reading_task(spec) else None
         try:
-            games.append(resolve_game(under_root if not Path(spec).is_absolute() and under_root.exists() else spec,
+            base = base or data_root(data_dir)
+            under_base = base / spec
+            games.append(resolve_game(under_base if not Path(spec).is_absolute() and under_base.exists() else spec,
                                       data_dir))
         except MemexError as e:
             raise MemexError(f"{file} line {number}: {e}") from None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from envs.alfworld import ModifiedAlfWorld
+from envs.games import open_env
 from envs.pool import EnvResult
 
 
@@ -17,12 +17,12 @@ class InlineEnvs:
 
     def __init__(self, env_kwargs: dict[str, Any] | None = None):
         self.env_kwargs = dict(env_kwargs or {})
-        self.envs: dict[str, ModifiedAlfWorld] = {}
+        self.envs: dict[str, Any] = {}
 
     def reset_many(self, requests: list[tuple[str, str]]) -> list[EnvResult]:
         out = []
         for episode_id, game in requests:
-            env = self.envs[episode_id] = ModifiedAlfWorld(game, **self.env_kwargs)
+            env = self.envs[episode_id] = open_env(game, **self.env_kwargs)
             obs, info = env.reset()
             out.append(EnvResult(episode_id, obs, 0.0, False, False, info))
         return out

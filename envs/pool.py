@@ -1,4 +1,4 @@
-"""A pool of worker processes hosting ModifiedAlfWorld envs (paper section 6.2), driven by messages.
+"""A pool of worker processes hosting envs (ModifiedAlfWorld, paper section 6.2; reading tasks), driven by messages.
 
 TextWorld's PDDL parser is not thread-safe and one env step costs ~20-40 ms of pure Python
 (alfworld.md), so envs live in N worker processes, started with "spawn" because the parent may
@@ -58,7 +58,7 @@ def _last_line(exc: BaseException) -> str:
 
 
 def _serve(op: str, episode_id: str, arg: Any, envs: dict[str, Any], env_kwargs: dict) -> EnvResult:
-    from envs.alfworld import ModifiedAlfWorld
+    from envs.games import open_env
 
     try:
         if op == "warm":  # import textworld/alfworld now rather than during the first reset
@@ -70,7 +70,7 @@ def _serve(op: str, episode_id: str, arg: Any, envs: dict[str, Any], env_kwargs:
             old = envs.pop(episode_id, None)
             if old is not None:
                 old.close()
-            env = ModifiedAlfWorld(arg, **env_kwargs)
+            env = open_env(arg, **env_kwargs)
             envs[episode_id] = env
             obs, info = env.reset()
             return EnvResult(episode_id, obs, 0.0, False, False, info)

@@ -205,6 +205,15 @@ class WorkingContext:
         self._last_completion_ended = True
         return text, working
 
+    def new_task(self, task: str, step: int) -> int:
+        """Close the segment and start the next from [system, `task`] alone: a new task message, no working
+        messages (the reading env's question, envs/reading.py: only the archive survives it). Returns W."""
+        self.messages = [self.messages[0], {"role": "user", "content": task}]
+        self.header_len = len(self.renderer.prompt_ids(self.messages, add_generation_prompt=False))
+        self._start_segment(first_step=step + 1)
+        self._last_completion_ended = True
+        return self.working_tokens
+
     def rebuild(self, working: list[dict], step: int) -> int:
         """Replace the working messages by `working` (a baseline's own context policy: the last k turns, a
         summary chain); the next segment starts from [system, task, *working]. Returns the new W."""

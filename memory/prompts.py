@@ -8,6 +8,7 @@ same JSON form.
 
 from __future__ import annotations
 
+from common.trajectory import READING_TASK
 from memory.parsing import COMPRESS, READ, TOOL_SCHEMAS
 
 _BASE = """You are an agent in a household text game. Act only through tool calls: in every reply, \
@@ -17,6 +18,15 @@ Game commands: look, inventory, go to X, open X, close X, take X from Y, move X 
 use X, heat X with Y, cool X with Y, clean X with Y, slice X with Y. Object names must be exact \
 (e.g. "apple 2"), as they appear in observations. Start with look: it works only once. \
 Call finish when the task is done."""
+
+_READING = """You are a memory controller. You read the trajectories of a web agent a few states at a time, \
+for a colleague who will later ask questions about these environments. Act only through tool calls: in every \
+reply, think briefly, then make exactly one call in this form:
+<tool_call>{"name": "execute_action", "arguments": {"action": "next"}}</tool_call>
+execute_action (any action) shows the next states. Archive what a question may need with CompressExperience: \
+page contents and values, how values changed, procedures that worked, errors and their fixes, each block under \
+an index that says what it holds. At the question, read the blocks that hold its answer with ReadExperience, \
+then call finish."""
 
 _MEMORY = """Memory: your working context is limited; after each observation you see its size. \
 Before it passes the threshold, call CompressExperience: write a short summary (progress, plan and \
@@ -37,6 +47,12 @@ summaries and the newest observation. Start every reply with one line `State: <w
 action you take>`, with exact object names; that line is what you will remember of this step."""
 
 _INSIGHTS = "Suggestions from similar solved tasks (check them against what you observe; they may not apply):"
+
+
+def task_paragraph(kind: str) -> str:
+    """The system prompt's task paragraph for a kind of task (`Trajectory.task["kind"]`): reading web-agent
+    trajectories (envs/reading.py, and the LME-V2 controller that plays the same task) or the ALFWorld game."""
+    return _READING if kind == READING_TASK else _BASE
 
 
 def tool_schemas(tools: tuple[str, ...], store: bool = True) -> list[dict]:
@@ -61,7 +77,7 @@ def system_prompt(tools: tuple[str, ...], threshold: int, schemas_in_text: bool,
 
     `base` replaces the ALFWorld task paragraph (another task on the same loop, e.g. reading LME-V2
     trajectories as a memory controller, eval/lme/memory/memex.py)."""
-    parts = [base or _BASE]
+    parts = [base or _BASE]  # the ALFWorld game's paragraph unless another is given (task_paragraph)
     if COMPRESS in tools or READ in tools:
         parts.append((_MEMORY if store else _SUMMARY_ONLY).format(threshold=threshold))
     if chain:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from common.config import RewardConfig
 from common.trajectory import Step, Trajectory
 from memory.parsing import MEMORY_TOOLS, canonical_call
+from rewards.reading import evidence_recall
 
 
 def task_reward(success: bool) -> float:
@@ -41,7 +42,9 @@ def mark_redundant(steps: Sequence[Step]) -> list[bool]:
 
     A call is identified by (tool name, arguments with sorted keys). A state-changing action
     (ALFWorld: pick up, take, put/move, open, close, use, clean, heat, cool, slice, toggle)
-    starts a new window that holds only itself, so repeating it right away is redundant too.
+    starts a new window that holds only itself, so repeating it right away is redundant too. An action that
+    showed new content (the reading env's page, `Step.advances`) starts an empty window: "next" again is not
+    a repeat while there are pages.
     Memory tools, format errors and replies without a call are never counted.
     """
     flags: list[bool] = []
@@ -52,7 +55,9 @@ def mark_redundant(steps: Sequence[Step]) -> list[bool]:
             continue
         key = canonical_call(step.tool, step.arguments or {})
         flags.append(key in seen)
-        if step.state_changing:
+        if step.advances:  # new content shown (a reading page): the same call next time is not a repeat
+            seen = set()
+        elif step.state_changing:
             seen = {key}
         else:
             seen.add(key)
@@ -80,11 +85,17 @@ def format_penalty(steps: Sequence[Step], weight: float) -> float:
 
 
 def score_trajectory(traj: Trajectory, threshold: int, weights: RewardConfig) -> dict[str, float]:
-    """Mark redundant steps and fill `traj.reward` with the design.md reward block."""
+    """Mark redundant steps and fill `traj.reward` with the design.md reward block. A reading episode's
+    R_task is its evidence recall, and its `success` is set here: every planted string reached the reader."""
     for step, flag in zip(traj.steps, mark_redundant(traj.steps)):
         step.redundant = flag
+    if traj.reading:  # R_task is the evidence recall (rewards/reading.py); a success reads it all
+        task = evidence_recall(traj)
+        traj.success = task == 1.0
+    else:
+        task = task_reward(traj.success)
     reward = {
-        "task": task_reward(traj.success),
+        "task": task,
         "context": context_penalty(
             [s.working_tokens for s in traj.steps], [s.compressed for s in traj.steps], threshold, weights.lambda_ctx
         ),

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from common.config import EnvConfig, MemoryConfig, RolloutConfig
 from common.engine import Completion, valid_unicode
 from common.trajectory import CRASH, Step, Trajectory
+from memory.catalog import catalog_text
 from memory.context import ChatRenderer, WorkingContext
 from memory.parsing import (
     EXECUTE_ACTION,
@@ -29,7 +30,7 @@ from memory.parsing import (
     answer_part,
     parse_tool_call,
 )
-from memory.prompts import system_prompt, task_message
+from memory.prompts import system_prompt, task_message, task_paragraph
 from memory.store import ExperienceStore
 from memory.tools import run_compress, run_read
 from rollout.strategies import AgentSpec, chain_message, last_turns, state_summary
@@ -79,10 +80,11 @@ class Episode:
         info = self.last_info = answer.info
         self.traj.task_type = info.get("task_type", "")
         self.traj.goal = info.get("goal", "")
+        self.traj.task = dict(info.get("task") or {})
         a = self.agent
         system = system_prompt(a.tools, self.memory.threshold, not self.renderer.template_has_tools,
                                store=a.store, chain=a.chain, insights=a.insights_for(self.traj.goal),
-                               base=a.task_prompt)
+                               base=a.task_prompt or task_paragraph(self.traj.task.get("kind", "")))
         self.context = WorkingContext(
             self.renderer, system, task_message(answer.obs), self.memory.threshold, self.memory.warn_ratio,
             show_status=a.status, anchor_scope=self.memory.anchor_scope,
@@ -157,6 +159,10 @@ class Episode:
             return
         self.last_info = answer.info
         record.state_changing = bool(answer.info.get("state_changing", False))
+        record.advances = bool(answer.info.get("advances", False))
+        if answer.info.get("new_context"):
+            self._ask(record, answer)
+            return
         won = bool(answer.info.get("won", False)) or answer.terminated
         self.traj.success = self.traj.success or won
         end = "env_done" if (answer.terminated or answer.truncated) else None
@@ -172,6 +178,21 @@ class Episode:
             self._end(CRASH, error=error)
 
     # --- internals ----------------------------------------------------------------------------
+    def _ask(self, record: Step, answer: EnvResult) -> None:
+        """The env asks its question (envs/reading.py): the next segment starts from a fresh working context
+        holding only the question and the catalog of the archive (memory/catalog.py); the step is recorded in
+        the trajectory's task for scoring (rewards/reading.py)."""
+        assert self.context is not None
+        catalog = answer.info.get("catalog") or {}
+        body = answer.obs.strip()
+        if catalog:
+            body += "\n" + catalog_text(self.store, str(catalog.get("query", "")), int(catalog.get("shortlist", 12)))
+        step = len(self.traj.steps)
+        self.traj.task["question_step"] = step
+        record.observation = body
+        record.working_tokens = self.context.new_task(body, step)
+        self._record(record)
+
     def _observe(self, record: Step, body: str, end: str | None = None) -> None:
         assert self.context is not None
         record.observation, record.working_tokens = self.context.add_observation(body, self.store.indices())

@@ -12,8 +12,8 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 from common.errors import MemexError  # noqa: E402
+from envs.lme_records import state_text  # noqa: E402
 from eval.lme.data import QUESTION_TYPES, load_lme  # noqa: E402
-from eval.lme.records import state_text  # noqa: E402
 from eval.lme.scoring import DEFAULT_SEPARATORS, normalize, parse_eval_function  # noqa: E402
 from eval.lme.synth import EVIDENCE_FILE, synth_command, write_synthetic  # noqa: E402
 

@@ -10,8 +10,9 @@ import pytest  # noqa: E402
 
 from common.config import load_config  # noqa: E402
 from common.errors import MemexError  # noqa: E402
+from envs.reading import LAST_PAGE_NOTE  # noqa: E402
 from eval.lme.memory.base import MemoryOptions, load_memory, make_memory  # noqa: E402
-from eval.lme.memory.memex import STORE_FILE, TrajectoryPager  # noqa: E402
+from eval.lme.memory.memex import READ_DONE, STORE_FILE, InsertPager, insert_task  # noqa: E402
 from memory.parsing import render_tool_call as call  # noqa: E402
 from rollout.scripted import ScriptedEngine  # noqa: E402
 
@@ -54,13 +55,13 @@ def options(tmp_path, smol_tokenizer):
     return make
 
 
-def test_pager_shows_the_states_in_chunks_then_asks_to_archive():
-    pager = TrajectoryPager(TRAJ, per_chunk=2, max_chars=500)
-    assert "Check the store currency" in pager.reset().obs
-    first, second, after = pager.step("next").obs, pager.step("go to cabinet 1").obs, pager.step("next").obs
-    assert "State 0" in first and "State 1" in first and "State 2" not in first
-    assert "State 2" in second and "last state" in second
-    assert after.startswith("No more states")
+def test_insert_pages_a_trajectory_as_the_reading_env_does_and_stops_before_the_question():
+    pager = InsertPager(insert_task(TRAJ, per_chunk=2, max_chars=500, max_reads=3, shortlist=12))
+    assert pager.reset().info["task"]["kind"] == "reading"  # the agent loop gives it the reading system prompt
+    first, second, after = pager.step("next"), pager.step("go to cabinet 1"), pager.step("next")
+    assert "Check the store currency" in first.obs and "State 1" in first.obs and "State 2" not in first.obs
+    assert "State 2" in second.obs and second.obs.endswith(LAST_PAGE_NOTE) and not second.terminated
+    assert after.terminated and after.obs == READ_DONE
 
 
 def test_what_the_policy_archives_is_the_context_and_survives_a_restart(options, tmp_path):

@@ -13,6 +13,7 @@ from common.errors import MemexError
 from training.state import (
     MANIFEST_FILE,
     STATE_FILE,
+    MixedSampler,
     TaskSampler,
     checkpoint_problem,
     clear_run,
@@ -44,6 +45,29 @@ def test_sampler_is_a_seeded_permutation_per_epoch_and_resumes():
         TaskSampler(games[:4], seed=1).load_state_dict(state)
     with pytest.raises(MemexError, match="no games"):
         TaskSampler([], seed=1)
+
+
+def test_a_mixed_schedule_holds_the_reading_share_of_every_step_and_resumes():
+    alfworld, reading = [f"a{i}" for i in range(7)], [f"r{i}.json" for i in range(5)]
+
+    def mixed():
+        return MixedSampler(TaskSampler(alfworld, seed=0), TaskSampler(reading, seed=1), share=0.25)
+
+    run = mixed()
+    steps = [run.next(4) for _ in range(6)]
+    assert all(sum(g.endswith(".json") for g in step) == 1 for step in steps)  # 1 of 4, every step
+    drawn_reading = [g for step in steps for g in step if g.endswith(".json")]
+    assert sorted(drawn_reading[:5]) == reading  # each pool goes through its own epochs
+    resumed = mixed()
+    head = mixed()
+    for _ in range(3):
+        head.next(4)
+    resumed.load_state_dict(json.loads(json.dumps(head.state_dict())))
+    assert [resumed.next(4) for _ in range(3)] == steps[3:]
+    with pytest.raises(MemexError, match="reading_share"):
+        MixedSampler(TaskSampler(alfworld, 0), TaskSampler(reading, 1), 0.5).load_state_dict(head.state_dict())
+    with pytest.raises(MemexError, match="reading_share"):
+        mixed().load_state_dict(TaskSampler(alfworld, 0).state_dict())  # a run started without reading tasks
 
 
 def _optimizer():

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import pickle  # only for its error type: checkpoints load with weights_only=True
 import random
@@ -95,6 +96,55 @@ class TaskSampler:
             )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._permutation()
+
+
+class MixedSampler:
+    """train.env=mixed: each step's tasks from two pools, ALFWorld games and reading tasks (issue 27).
+
+    Draw i is a reading task when floor((i + 1) * share) > floor(i * share), so every step (and any run of draws)
+    holds `share` of reading tasks up to one; each pool is its own TaskSampler (its own seeded permutations)."""
+
+    def __init__(self, alfworld: TaskSampler, reading: TaskSampler, share: float):
+        self.alfworld, self.reading, self.share = alfworld, reading, share
+        self.drawn = 0
+
+    def next(self, n: int) -> list[str]:
+        out = []
+        for i in range(self.drawn, self.drawn + n):
+            reading = math.floor((i + 1) * self.share) > math.floor(i * self.share)
+            out += (self.reading if reading else self.alfworld).next(1)
+        self.drawn += n
+        return out
+
+    def state_dict(self) -> dict:
+        return {"mixed": {"alfworld": self.alfworld.state_dict(), "reading": self.reading.state_dict(),
+                          "drawn": self.drawn, "share": self.share}}
+
+    def load_state_dict(self, state: dict) -> None:
+        mixed = state.get("mixed")
+        if mixed is None or mixed.get("share") != self.share:
+            raise MemexError("the checkpoint's task schedule is not this config's: resume with the same train.env "
+                             "and train.reading_share")
+        self.alfworld.load_state_dict(mixed["alfworld"])
+        self.reading.load_state_dict(mixed["reading"])
+        self.drawn = int(mixed["drawn"])
+
+
+def reading_pool(reading_tasks: str) -> list[str]:
+    """The reading tasks of train.reading_tasks: one games file, or several comma-separated, in their order."""
+    from envs.data import read_games_file
+
+    return [str(g) for f in reading_tasks.split(",") if f.strip() for g in read_games_file(f.strip())]
+
+
+def make_task_sampler(t, data_dir: str, seed: int) -> TaskSampler | MixedSampler:
+    """The sampler of the `train` section's tasks (train.env): ALFWorld games, reading tasks, or both mixed."""
+    if t.env == "reading":
+        return TaskSampler(reading_pool(t.reading_tasks), seed)
+    alfworld = TaskSampler(task_pool(t.split, t.num_games, t.game_order, data_dir, t.task_types, t.games_file), seed)
+    if t.env == "mixed":
+        return MixedSampler(alfworld, TaskSampler(reading_pool(t.reading_tasks), seed + 1), t.reading_share)
+    return alfworld
 
 
 def rng_state() -> tuple[dict, torch.Tensor]:

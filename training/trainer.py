@@ -59,14 +59,13 @@ from training.log import RunLogger, rollout_metrics, segment_metrics
 from training.policy import Policy, load_policy_for_grpo
 from training.state import (
     DEEPSPEED_DIR,
-    TaskSampler,
     clear_run,
     find_checkpoint,
     load_checkpoint,
+    make_task_sampler,
     refuse_to_mix,
     save_checkpoint,
     staging_dir,
-    task_pool,
     trim_metrics,
 )
 from training.update import pad_id, update_policy
@@ -220,14 +219,14 @@ class Trainer:
             raise MemexError(f"train.tasks_per_step ({t.tasks_per_step}) and train.global_batch_size "
                              f"({t.global_batch_size}) must be multiples of the {world} processes")
         # the games first: a bad train.games_file stops before --overwrite clears anything
-        pool = task_pool(t.split, t.num_games, t.game_order, cfg.env.data_dir, t.task_types, t.games_file)
+        sampler = make_task_sampler(t, cfg.env.data_dir, cfg.seed)
         checkpoint = find_checkpoint(self.run_dir, resume) if resume else None
         if checkpoint is None and refuse_to_mix(self.run_dir, overwrite):
             if self.accelerator.is_main_process:
                 clear_run(self.run_dir)
             self.accelerator.wait_for_everyone()
         seed_everything(cfg.seed)
-        self.sampler = TaskSampler(pool, cfg.seed)
+        self.sampler = sampler
         export = self.run_dir / "base" if cfg.rollout.engine == "vllm" and not cfg.rollout.vllm_model else None
         if export is not None and self.accelerator.is_main_process:
             export.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The LME-V2 commands of `memexrl` (design.md "CLI"): `lme synth|score|lafs` and `eval lme`."""
+"""The LME-V2 commands of `memexrl` (design.md "CLI"): `lme synth|tasks|score|lafs` and `eval lme`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,13 @@ def cmd_lme_synth(args: argparse.Namespace) -> None:
     from eval.lme.synth import synth_command
 
     print(synth_command(args.out, args.seed, args.small, args.medium, args.per_type))
+
+
+def cmd_lme_tasks(args: argparse.Namespace) -> None:
+    from eval.lme.tasks import tasks_command
+
+    print(tasks_command(args.data, args.out, args.distractors, args.states_per_page, args.state_max_chars,
+                        args.max_reads, args.shortlist, args.seed, args.prefix))
 
 
 def cmd_lme_score(args: argparse.Namespace) -> None:
@@ -111,6 +118,17 @@ def add_lme_commands(sub, eval_sub) -> None:
     syn.add_argument("--medium", type=positive_int, default=60, help="trajectories in the medium haystack")
     syn.add_argument("--per-type", type=positive_int, default=3, help="questions per question type")
     syn.set_defaults(func=cmd_lme_synth)
+    tsk = lme_sub.add_parser("tasks", help="reading tasks for training the memory controller (one per question)")
+    tsk.add_argument("--data", required=True, help="a `memexrl lme synth` set (its synth_evidence.json is needed)")
+    tsk.add_argument("--out", required=True, help="directory for the task files and their games.txt")
+    tsk.add_argument("--distractors", type=non_negative_int, default=2, help="other trajectories a task")
+    tsk.add_argument("--states-per-page", type=positive_int, default=2, help="states each execute_action shows")
+    tsk.add_argument("--state-max-chars", type=positive_int, default=2000, help="cap on a state's AXTree text")
+    tsk.add_argument("--max-reads", type=positive_int, default=3, help="blocks read after the question")
+    tsk.add_argument("--shortlist", type=positive_int, default=12, help="catalog lines shown with the question")
+    tsk.add_argument("--seed", type=non_negative_int, default=0, help="which distractors")
+    tsk.add_argument("--prefix", default="", help="before each task id (e.g. s1- for the set of seed 1)")
+    tsk.set_defaults(func=cmd_lme_tasks)
     sco = lme_sub.add_parser("score", help="score one prediction with an eval_function spec: prints 1 or 0")
     sco.add_argument("--eval-function", required=True, help="e.g. 'norm_phrase_set_match|separators=;'")
     sco.add_argument("--answer", required=True, help="the gold answer")

@@ -4,7 +4,7 @@
 haystack files present (`haystacks/lme_v2_small.json`, `haystacks/lme_v2_medium.json`); each
 problem stops with ONE `MemexError` line naming the file and line (or the question id) and what
 to fix. Screenshots are not opened here: a state's `screenshot` is resolved when it is used
-(eval/lme/records.py). Unknown files beside the data (e.g. `synth_evidence.json`) are ignored.
+(envs/lme_records.py). Unknown files beside the data (e.g. `synth_evidence.json`) are ignored.
 
 As in the benchmark's own validator, a question's haystack holds trajectories of the question's
 domain only, so the real data has one shared list per domain, not one for all questions:

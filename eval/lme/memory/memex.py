@@ -1,26 +1,25 @@
 """`memex`: the Memex policy as the LME-V2 memory controller (the mission's last step).
 
-Insert: the policy reads each haystack trajectory as an episode of the same agent loop it was
-trained in (rollout/episode.py, same tools, same working context and context status): the task
-message is the trajectory's goal, start URL and outcome; every `execute_action` (any action)
-shows the next `states_per_chunk` states (`State k` + thought + action + AXTree, capped); after
-the last one the observation asks it to archive what matters and finish. What it archives with
-CompressExperience (anchor blocks copied exactly from the AXTree text, explicit blocks it
-writes) goes into a durable SQLite experience store (memory/store.py) under the key
-`t<NNNN>-<its db_index>` of the trajectory's ordinal, with the block's index-map line plus the
-trajectory's goal as its description: the index catalog. Nothing else is stored: what the
-policy did not archive, the memory does not have.
+The controller plays the reading task it is trained on (envs/reading.py, issue 27), split in two as the memory
+API splits it, through the same agent loop (rollout/episode.py), system prompt, tools and context status:
 
-Query: the policy gets the question and a shortlist of the catalog (bm25s over keys,
-descriptions and block openings: `ExperienceStore.suggest`, since a 500-trajectory catalog does
-not fit in a prompt), with ReadExperience and finish as its only tools; it reads at most
-`max_reads` blocks (the episode ends at finish, at the read budget, or at the step limit). The
-blocks it read, in reading order, are the memory context. Any checkpoint can be the controller
-(the ALFWorld GRPO one, the SFT one, a base model): `extra["checkpoint"]`, run by the engine of
-`extra["config"]` (memexrl Config: transformers or vLLM, eval.temperature), or `extra["engine"]`,
-an (engine, tokenizer) pair built by the caller. Other settings (`--set key=value`):
-states_per_chunk (2), state_max_chars (2000), max_reads (3), shortlist (12), insert_batch
-(rollout.batch_size: trajectories read together, one batched engine call per turn), workdir.
+Insert: each haystack trajectory is one reading episode of the reading env over that trajectory alone: every
+`execute_action` (any action) shows the next `states_per_chunk` states (`State k` + thought + action + AXTree,
+capped at `state_max_chars`); after the last page the agent archives and asks for the question, and the insert
+episode ends there (the question comes at query time). What it archived with CompressExperience (anchor blocks
+copied exactly from the AXTree text, explicit blocks it writes) goes into a durable SQLite experience store
+(memory/store.py) under `t<NNNN>-<its db_index>` of the trajectory's ordinal, described by the index-map line
+that named it plus the trajectory's goal: the catalog. What the policy did not archive, the memory does not have.
+
+Query: the question phase of the reading env: a fresh context holding the question and the catalog
+(memory/catalog.py: a bm25 shortlist of `shortlist` lines, as a 500-trajectory catalog does not fit in a
+prompt); the agent reads at most `max_reads` blocks with ReadExperience (the episode ends at finish, at the
+read budget, or at the step limit). The blocks it read, in reading order, are the memory context. Any
+checkpoint can be the controller (a reading-trained one, the ALFWorld GRPO one, a base model):
+`extra["checkpoint"]`, run by the engine of `extra["config"]` (memexrl Config: transformers or vLLM,
+eval.temperature), or `extra["engine"]`, an (engine, tokenizer) pair built by the caller. Other settings
+(`--set key=value`): states_per_chunk (2), state_max_chars (2000), max_reads (3), shortlist (12),
+insert_batch (rollout.batch_size: trajectories read together, one batched engine call per turn), workdir.
 
 Save/load: the SQLite file is the memory; `save` copies it (sqlite backup API) and `load`
 reopens it, so insert -> close -> reopen -> query gives the same context (greedy decoding).
@@ -39,10 +38,12 @@ from tqdm import tqdm
 from common.config import Config, load_config
 from common.engine import GenerationRequest
 from common.errors import MemexError
+from common.trajectory import READING_TASK as READING_KIND
 from envs.pool import EnvResult
+from envs.reading import ReadingEnv, question_message
 from eval.lme.memory.base import Memory, MemoryOptions, register
-from eval.lme.records import render_state
-from memory.parsing import COMPRESS, EXECUTE_ACTION, FINISH, READ
+from memory.catalog import catalog_text, what_it_holds
+from memory.parsing import READ
 from memory.store import BlockWrite, InMemoryStore, SQLiteStore
 from rollout.episode import Episode
 from rollout.strategies import AgentSpec
@@ -54,48 +55,31 @@ STORE_FILE = "memex_store.sqlite"
 EPISODES_FILE = "insert_episodes.jsonl"  # the reading episodes (trajectory JSON), one line per trajectory
 TAIL_STEPS = 3  # turns after the last chunk to archive and finish
 BLOCKS, META = "lme", "lme-meta"  # store namespaces: the archived blocks; the inserted trajectory ids
-READ_TASK = """You are a memory controller reading the trajectory of a web agent, a few states at a time. \
-Act only through tool calls: in every reply, think briefly, then make exactly one call in this form:
-<tool_call>{"name": "execute_action", "arguments": {"action": "next"}}</tool_call>
-execute_action (any action) shows the next states. A colleague will later ask questions about this \
-environment: page contents, values and how they changed, procedures that worked, errors and their fixes. \
-Archive what they may need with CompressExperience (exact text by anchors, facts you write in db_content), \
-then call finish."""
-QUERY_TASK = """You are a memory controller answering from an archive of web-agent trajectories. \
-Act only through tool calls: in every reply, think briefly, then make exactly one call in this form:
-<tool_call>{"name": "ReadExperience", "arguments": {"db_index": "t0001-facts"}}</tool_call>
-Read the archived blocks that can answer the question, then call finish."""
+READ_DONE = "The trajectory is read: its archive is kept for the questions."
 
 
-def trajectory_task(trajectory: dict, n_states: int) -> str:
-    return (f"Trajectory goal: {trajectory.get('goal', '')}\nStart URL: {trajectory.get('start_url', '')}\n"
-            f"Outcome: {trajectory.get('outcome') or 'unknown'}\nStates: {n_states}. "
-            "Call execute_action to see the first states.")
+def insert_task(trajectory: dict, per_chunk: int, max_chars: int, max_reads: int, shortlist: int) -> dict:
+    """The reading task of one haystack trajectory (no question yet: it comes at query time)."""
+    return {"kind": READING_KIND, "id": str(trajectory.get("id", "")), "question": "", "question_type": "",
+            "trajectories": [trajectory], "evidence": [], "states_per_page": per_chunk, "state_max_chars": max_chars,
+            "max_reads": max_reads, "shortlist": shortlist}
 
 
-class TrajectoryPager:
-    """An env (EnvResult answers) that shows a trajectory `per_chunk` states at a time."""
+class InsertPager:
+    """The reading env over one trajectory, ended where it would ask the question (EnvResult answers)."""
 
-    def __init__(self, trajectory: dict, per_chunk: int, max_chars: int):
-        self.trajectory, self.per_chunk, self.max_chars = trajectory, per_chunk, max_chars
-        self.next_state = 0
+    def __init__(self, task: dict):
+        self.env = ReadingEnv(task)
 
     def reset(self) -> EnvResult:
-        return self._answer(trajectory_task(self.trajectory, len(self.trajectory["states"])))
+        obs, info = self.env.reset()
+        return EnvResult("lme", obs, 0.0, False, False, info)
 
-    def step(self, _action: str) -> EnvResult:
-        states = self.trajectory["states"]
-        if self.next_state >= len(states):
-            return self._answer("No more states. Archive what matters with CompressExperience, then call finish.")
-        chunk = range(self.next_state, min(len(states), self.next_state + self.per_chunk))
-        self.next_state = chunk.stop
-        text = "\n\n".join(render_state(self.trajectory, k, self.max_chars) for k in chunk)
-        if self.next_state >= len(states):
-            text += "\n\nThat was the last state. Archive what matters with CompressExperience, then call finish."
-        return self._answer(text)
-
-    def _answer(self, obs: str) -> EnvResult:
-        return EnvResult("lme", obs, 0.0, False, False, {"goal": self.trajectory.get("goal", "")})
+    def step(self, action: str) -> EnvResult:
+        obs, _, _, _, info = self.env.step(action)
+        if info.get("new_context"):  # the question: not at insert time
+            return EnvResult("lme", READ_DONE, 0.0, True, False, {})
+        return EnvResult("lme", obs, 0.0, False, False, info)
 
 
 @register
@@ -120,8 +104,7 @@ class MemexMemory(Memory):
         self._engine = None
         self._pending: list[dict] = []  # inserted, not read yet (flush reads them in one batch)
         self.batch = int(x.get("insert_batch", self.cfg.rollout.batch_size))
-        self.read_spec = AgentSpec("memex-read", (EXECUTE_ACTION, COMPRESS, READ, FINISH), task_prompt=READ_TASK)
-        self.query_spec = AgentSpec("memex-query", (READ, FINISH), status=False, task_prompt=QUERY_TASK)
+        self.spec = AgentSpec("memex-reader")  # the memex agent; its episodes say they are reading tasks
 
     # --- the policy -------------------------------------------------------------------------------
     def _engine_and_renderer(self):
@@ -131,11 +114,10 @@ class MemexMemory(Memory):
 
             given = self.options.extra.get("engine")  # (engine, tokenizer) already built, e.g. a ScriptedEngine
             engine, tokenizer = given or make_eval_engine(self.cfg, self.checkpoint, self.dir)
-            self._engine = (engine, {s.name: make_renderer(tokenizer, self.cfg, s)
-                                     for s in (self.read_spec, self.query_spec)})
+            self._engine = (engine, make_renderer(tokenizer, self.cfg, self.spec))
         return self._engine
 
-    def _play(self, games: list[tuple[Episode, TrajectoryPager]]) -> None:
+    def _play(self, games: list[tuple[Episode, InsertPager]]) -> None:
         """Drive episodes to their ends together: one engine call per turn for all that still run (the
         engine batches them: rollout.batch_size), each env answer from its own pager."""
         engine, _ = self._engine_and_renderer()
@@ -155,11 +137,11 @@ class MemexMemory(Memory):
                 active = [g for g in active if not g[0].done]
                 bar.set_postfix(turn=max((len(ep.traj.steps) for ep, _ in games), default=0))
 
-    def _episode(self, spec: AgentSpec, store, max_steps: int, first: EnvResult, tag: str) -> Episode:
-        _, renderers = self._engine_and_renderer()
+    def _episode(self, store, max_steps: int, first: EnvResult, tag: str) -> Episode:
+        _, renderer = self._engine_and_renderer()
         cfg = dataclasses.replace(self.cfg, env=dataclasses.replace(self.cfg.env, max_steps=max_steps))
-        episode = Episode(tag, tag, renderers[spec.name], store, memory=cfg.memory, env=cfg.env, rollout=cfg.rollout,
-                          agent=spec)
+        episode = Episode(tag, tag, renderer, store, memory=cfg.memory, env=cfg.env, rollout=cfg.rollout,
+                          agent=self.spec)
         episode.start(first)
         return episode
 
@@ -182,11 +164,9 @@ class MemexMemory(Memory):
         games, scratches = [], []
         for n, trajectory in enumerate(self._pending):
             prefix = f"t{len(ids) + n:04d}"
-            pager = TrajectoryPager(trajectory, self.per_chunk, self.max_chars)
-            chunks = -(-len(trajectory["states"]) // self.per_chunk)
+            pager = InsertPager(insert_task(trajectory, self.per_chunk, self.max_chars, self.max_reads, self.shortlist))
             scratches.append(InMemoryStore())
-            episode = self._episode(self.read_spec, scratches[-1], chunks + TAIL_STEPS, pager.reset(),
-                                    f"insert-{prefix}")
+            episode = self._episode(scratches[-1], len(pager.env.pages) + TAIL_STEPS, pager.reset(), f"insert-{prefix}")
             games.append((episode, pager))
         self._play(games)
         with (self.dir / EPISODES_FILE).open("a") as log_file:
@@ -204,20 +184,16 @@ class MemexMemory(Memory):
         """The blocks the policy archived while reading one trajectory, into the durable store under its prefix."""
         goal = str(trajectory.get("goal", ""))[:200]
         blocks = [BlockWrite(f"{prefix}-{b.index}"[:64], b.content, b.mode,
-                             f"{b.description} (trajectory goal: {goal})".strip())
+                             f"{what_it_holds(b.index, b.description)} (trajectory goal: {goal})")
                   for b in (scratch.read(i) for i in scratch.indices())]
         if blocks:
             self.store.write_many(blocks, step=ordinal)
 
     def query(self, question: str, question_image: str | None = None) -> list[dict]:
         self.flush()
-        shortlist = self.store.suggest(question, self.shortlist) or self.store.indices()[: self.shortlist]
-        lines = [f"- {k}: {self.store.read(k).description or 'archived block'}" for k in shortlist]
-        task = (f"Question: {question}\nArchived blocks that may hold the answer (db_index: what it holds):\n"
-                + ("\n".join(lines) or "(the archive is empty)")
-                + f"\nRead what you need (at most {self.max_reads} blocks), then call finish.")
-        first = EnvResult("lme", task, 0.0, False, False, {"goal": question})
-        episode = self._episode(self.query_spec, self.store, self.max_reads + 2, first, "query")
+        task = question_message(question, self.max_reads) + "\n" + catalog_text(self.store, question, self.shortlist)
+        first = EnvResult("lme", task, 0.0, False, False, {"goal": question, "task": {"kind": READING_KIND}})
+        episode = self._episode(self.store, self.max_reads + 2, first, "query")
         engine, _ = self._engine_and_renderer()
         read: list[str] = []  # (one question at a time: the latency of query() is its own)
         while not episode.done and len(read) < self.max_reads:

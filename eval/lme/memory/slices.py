@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.errors import MemexError
-from eval.lme.records import state_action, state_text, state_thought
+from envs.lme_records import state_action, state_text, state_thought
 
 from .base import image_item, text_item
 
@@ -118,7 +118,7 @@ def numbered(lines: list[str], empty: str) -> str:
 
 def simplify(trajectory: dict) -> dict:
     """The stored form of a trajectory: its header and, per state, url/action/thought/AXTree/screenshot
-    (whichever field names the data use, eval/lme/records.py), plus the annotated transitions."""
+    (whichever field names the data use, envs/lme_records.py), plus the annotated transitions."""
     try:
         tid, raw_states = str(trajectory["id"]), list(trajectory["states"])
     except (KeyError, TypeError):

@@ -1,0 +1,36 @@
+"""The catalog of the experience store: what a question phase shows of the archive (paper 4.3, the index map).
+
+At a question (the reading env, envs/reading.py; the LME-V2 memory controller's query), the working context
+is fresh: the agent sees the archive only through this list of `db_index: description` lines (the
+description is the summary's index-map line that named the block when it was archived, memory/tools.py).
+With more blocks than `shortlist`, the ones bm25 relates to the question come first (`ExperienceStore.suggest`,
+as a 500-trajectory archive does not fit in a prompt), then the rest in the order they were archived.
+"""
+
+from __future__ import annotations
+
+import re
+
+from memory.store import ExperienceStore
+
+CATALOG_HEADER = "Archived blocks (db_index: what it holds):"
+EMPTY_CATALOG = "(the archive is empty: nothing was archived)"
+
+
+def catalog_indices(store: ExperienceStore, query: str, shortlist: int) -> list[str]:
+    """At most `shortlist` indices: those bm25 relates to `query` first, then the others in archive order."""
+    suggested = store.suggest(query, shortlist)
+    rest = [i for i in store.indices() if i not in suggested]
+    return (suggested + rest)[:shortlist]
+
+
+def what_it_holds(index: str, description: str) -> str:
+    """The description without the `- index:` the index-map line it came from starts with."""
+    text = re.sub(rf"^[-*\s]*{re.escape(index)}\s*[:=-]\s*", "", description.strip())
+    return text or "archived block"
+
+
+def catalog_text(store: ExperienceStore, query: str, shortlist: int) -> str:
+    """The catalog as the agent reads it: a header line, then one `- index: description` line a block."""
+    lines = [f"- {i}: {what_it_holds(i, store.read(i).description)}" for i in catalog_indices(store, query, shortlist)]
+    return CATALOG_HEADER + "\n" + ("\n".join(lines) or EMPTY_CATALOG)

@@ -1,0 +1,192 @@
+"""The reading env (issue 27): tasks from a synthetic LME-V2 set, paging, the question in a fresh context with the
+archive's catalog, and R_task = the share of the planted evidence that the blocks read after the question hold."""
+
+import json
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+
+from common.config import load_config  # noqa: E402
+from common.errors import MemexError  # noqa: E402
+from envs.data import read_games_file, resolve_game  # noqa: E402
+from envs.reading import LAST_PAGE_NOTE, NO_MORE_STATES, QUESTION_HEADER, ReadingEnv  # noqa: E402
+from eval.lme.synth import EVIDENCE_FILE, write_synthetic  # noqa: E402
+from eval.lme.tasks import GAMES_FILE, reading_tasks, tasks_command  # noqa: E402
+from memory.catalog import CATALOG_HEADER  # noqa: E402
+from memory.parsing import render_tool_call as call  # noqa: E402
+from rewards.memex import score_trajectories  # noqa: E402
+from rewards.reading import evidence_found  # noqa: E402
+from rollout.runner import make_renderer, open_envs, run_episodes  # noqa: E402
+from rollout.scripted import ScriptedEngine  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def lme_set(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lme")
+    write_synthetic(root, seed=3, n_trajectories_small=20, n_trajectories_medium=30, questions_per_type=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def tasks_dir(lme_set, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tasks")
+    summary = tasks_command(str(lme_set), str(out), distractors=2, states_per_page=2, state_max_chars=400,
+                            max_reads=2, shortlist=12, seed=0, prefix="s3-")
+    assert "7 reading tasks" in summary
+    return out
+
+
+def load(tasks_dir, question_type):
+    (path,) = [p for p in tasks_dir.glob("*.json") if json.loads(p.read_text())["question_type"] == question_type]
+    return path, json.loads(path.read_text())
+
+
+def test_a_task_holds_its_evidence_among_distractors_in_timeline_order(lme_set):
+    evidence = json.loads((lme_set / EVIDENCE_FILE).read_text())
+    haystack = json.loads((lme_set / "haystacks/lme_v2_small.json").read_text())
+    for task in reading_tasks(lme_set, 2, 2, 400, 2, 12, seed=0):
+        ids = [t["id"] for t in task["trajectories"]]
+        qid = task["id"]
+        assert set(evidence[qid]["trajectories"]) <= set(ids) and len(ids) == len(evidence[qid]["trajectories"]) + 2
+        assert ids == [t for t in haystack[qid] if t in ids]  # an edit still comes after the view it changes
+        assert task["evidence"] == sorted({n[-1] for n in evidence[qid]["needles"]})
+
+
+def test_pages_then_the_question_then_nothing_more(tasks_dir):
+    path, task = load(tasks_dir, "static-environment")
+    env = ReadingEnv(path)
+    obs, info = env.reset()
+    assert f"{len(task['trajectories'])} trajectories" in obs and task["question"] not in obs
+    assert info["task"]["evidence"] == task["evidence"] and info["task"]["max_reads"] == 2
+    pages = []
+    while True:
+        obs, _, terminated, _, info = env.step("next")
+        assert not terminated
+        if info.get("new_context"):
+            break
+        assert info["advances"] and task["question"] not in obs
+        pages.append(obs)
+    expected = sum(-(-len(t["states"]) // 2) for t in task["trajectories"])
+    assert len(pages) == expected and pages[-1].endswith(LAST_PAGE_NOTE)
+    assert sum(p.count("\nState ") + p.startswith("State ") for p in pages) == sum(len(t["states"])
+                                                                                 for t in task["trajectories"])
+    assert pages[0].startswith(f"Trajectory 1 of {len(task['trajectories'])}")
+    assert obs.startswith(f"{QUESTION_HEADER} {task['question']}") and info["catalog"]["query"] == task["question"]
+    assert env.step("next")[0] == NO_MORE_STATES and not env.step("look")[4]["advances"]
+
+
+@pytest.mark.parametrize("content", ["{", json.dumps({"kind": "other"}), json.dumps({"kind": "memexrl-reading-task"})])
+def test_a_broken_task_file_stops_with_one_message(tmp_path, content):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    with pytest.raises(MemexError, match="bad.json"):
+        resolve_game(bad)
+    (tmp_path / "games.txt").write_text("bad.json\n")
+    with pytest.raises(MemexError, match="line 1"):
+        read_games_file(tmp_path / "games.txt")
+
+
+def test_the_games_file_names_tasks_relative_to_itself(tasks_dir, monkeypatch):
+    monkeypatch.chdir("/")
+    games = read_games_file(tasks_dir / GAMES_FILE)
+    assert len(games) == 7 and all(g.is_file() and g.parent == tasks_dir for g in games)
+
+
+def test_evidence_is_found_as_whole_words_only():
+    assert evidence_found("Story Points 8; SKU SN-4922.", ["8", "SN-4922", "SN-49"]) == [True, True, False]
+    assert evidence_found("812 chars", ["8"]) == [False]
+
+
+def play(cfg, tok, game, script, workers=0):
+    with open_envs(cfg, workers) as envs:
+        (traj,) = run_episodes([("a", str(game))], ScriptedEngine(tok, {"a": script}), envs, make_renderer(tok, cfg), cfg)
+    score_trajectories([traj], cfg.memory.threshold, cfg.reward)
+    return traj
+
+
+def compress(index, content, what):
+    return call("CompressExperience", {"summary": f"Progress. Index map:\n- {index}: {what}",
+                                       "db_blocks": [{"db_index": index, "db_content": content}]})
+
+
+NEXT = call("execute_action", {"action": "next"})
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config(None, ["env.max_steps=80", "memory.threshold=100000"])
+
+
+def test_what_is_read_after_the_question_is_the_reward(tasks_dir, cfg, smol_tokenizer):
+    """The question's context holds only the question and the catalog; the blocks read after it are scored."""
+    path, task = load(tasks_dir, "static-environment")
+    pages = sum(-(-len(t["states"]) // 2) for t in task["trajectories"])
+    facts = " ".join(f"value {n}" for n in task["evidence"])
+    head = [NEXT] * pages + [compress("facts", facts, "the values seen"), compress("noise", "nothing", "other pages")]
+    won = play(cfg, smol_tokenizer, path, head + [NEXT, call("ReadExperience", {"db_index": "facts"}),
+                                                   call("finish", {})], workers=1)  # in an env worker process
+    asked = won.task["question_step"]
+    assert asked == pages + 2 and won.steps[asked].observation.startswith(QUESTION_HEADER)
+    assert CATALOG_HEADER + "\n- facts: the values seen\n- noise: other pages" in won.steps[asked].observation
+    system, question, *turns = won.segments[-1].messages  # the question's segment: no page survives into it
+    assert won.segments[-1].first_step == asked + 1 and question["content"] == won.steps[asked].observation
+    assert system["content"].startswith("You are a memory controller") and not any("State 0" in m["content"]
+                                                                                for m in turns)
+    assert len(won.segments) == 4  # reading, after each of the two compressions, the question
+    assert won.reward["task"] == 1.0 and won.success and won.stats["num_redundant"] == 0
+
+    wrong = play(cfg, smol_tokenizer, path, head + [NEXT, call("ReadExperience", {"db_index": "noise"}),
+                                                    call("finish", {})])
+    assert wrong.reward["task"] == 0.0 and not wrong.success
+    early = play(cfg, smol_tokenizer, path, [NEXT] * pages + [compress("facts", facts, "the values seen"),
+                                                              call("ReadExperience", {"db_index": "facts"}),
+                                                              call("finish", {})])  # never asked
+    assert early.task.get("question_step") is None and early.reward["task"] == 0.0
+
+
+def test_only_the_read_budget_reaches_the_reader(tasks_dir, cfg, smol_tokenizer):
+    path, task = load(tasks_dir, "static-environment")
+    pages = sum(-(-len(t["states"]) // 2) for t in task["trajectories"])
+    blocks = [compress(f"b{k}", "nothing" if k < 2 else " ".join(task["evidence"]), f"block {k}") for k in range(3)]
+    reads = [call("ReadExperience", {"db_index": i}) for i in ("b0", "b0", "b1", "b2")]  # b2 is the third block
+    traj = play(cfg, smol_tokenizer, path, [NEXT] * pages + blocks + [NEXT, *reads, call("finish", {})])
+    assert traj.stats["num_read"] == 4 and traj.reward["task"] == 0.0  # max_reads 2: b0 and b1 only
+
+
+def test_train_env_selects_the_tasks(tasks_dir, alfworld_data):
+    from training.state import MixedSampler, make_task_sampler
+
+    games = str(tasks_dir / GAMES_FILE)
+    reading = make_task_sampler(load_config(None, ["train.env=reading", f"train.reading_tasks={games}"]).train, "", 0)
+    assert sorted(reading.next(7)) == sorted(str(g) for g in read_games_file(games))
+    mixed = make_task_sampler(load_config(None, ["train.env=mixed", f"train.reading_tasks={games},{games}",
+                                                 "train.reading_share=0.5", "train.num_games=4"]).train,
+                              str(alfworld_data), 0)
+    assert isinstance(mixed, MixedSampler) and len(mixed.reading.games) == 14 and len(mixed.alfworld.games) == 4
+    with pytest.raises(MemexError, match="needs train.reading_tasks"):
+        load_config(None, ["train.env=reading"])
+    with pytest.raises(MemexError, match="reading_share"):
+        load_config(None, ["train.env=mixed", f"train.reading_tasks={games}", "train.reading_share=1"])
+
+
+@pytest.mark.slow
+def test_grpo_trains_on_reading_tasks_unchanged(tasks_dir, tiny_eos_model, tmp_path, monkeypatch):
+    """The trainer, pool, segmentation and GRPO run on the reading env as they do on ALFWorld (train.env)."""
+    from memexrl.cli import main
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    run_dir = tmp_path / "run"
+    settings = {"model.name": tiny_eos_model, "model.device": "cpu", "train.env": "reading",
+                "train.reading_tasks": str(tasks_dir / GAMES_FILE), "train.finetune": "lora", "train.tasks_per_step": 1,
+                "train.group_size": 4, "train.global_batch_size": 4, "train.micro_batch_size": 4, "train.steps": 1,
+                "train.wandb": False, "train.output_dir": str(run_dir), "train.init_checkpoint": "",
+                "env.max_steps": 3, "env.num_workers": 1, "rollout.max_new_tokens": 16, "memory.threshold": 200}
+    assert main(["train", "--config", "configs/tiny-cpu.yaml", *[f"{k}={v}" for k, v in settings.items()]]) == 0
+    (record,) = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [json.loads(x) for x in (run_dir / "rollouts" / "step-1.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 4 and all(t["task_type"].startswith("reading/") and t["task"]["evidence"]
+                                      for t in rollouts)
+    assert all(t["reward"]["task"] == 0.0 for t in rollouts)  # a random model never gets to the question
+    assert record["step"] == 1 and record["penalty_context"] > 0
