@@ -120,6 +120,7 @@ class ReadingEnv:
                "question may ask: page contents and values, how values changed, procedures that worked, errors "
                "and their fixes.")
         info = self._info(task={"kind": READING_TASK, "id": self.task["id"], "evidence": self.task["evidence"],
+                                "evidence_states": self.task.get("evidence_states", []),
                                 "max_reads": self.task["max_reads"]})
         info.pop("advances")
         return obs, info

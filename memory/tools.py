@@ -6,6 +6,7 @@ written, and the context rewritten, only when the whole call is valid.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,7 +109,8 @@ def _blocks_from_arguments(raw: Any, context_text: str | list[str], summary: str
 
 def _describe(index: str, summary: str) -> str:
     """The summary lines that mention an index: its description in the index map."""
-    return " ".join(line.strip() for line in summary.splitlines() if index in line)[:300]
+    named = re.compile(rf"(?<![\w-]){re.escape(index)}(?![\w-])")  # "goals" is not named by a "goals-2" line
+    return " ".join(line.strip() for line in summary.splitlines() if named.search(line))[:300]
 
 
 def run_compress(

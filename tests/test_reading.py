@@ -190,3 +190,23 @@ def test_grpo_trains_on_reading_tasks_unchanged(tasks_dir, tiny_eos_model, tmp_p
                                       for t in rollouts)
     assert all(t["reward"]["task"] == 0.0 for t in rollouts)  # a random model never gets to the question
     assert record["step"] == 1 and record["penalty_context"] > 0
+
+
+def test_the_reader_expert_archives_the_evidence_and_reads_it_back(tasks_dir, smol_tokenizer):
+    """The SFT warm start's demonstrations (sft/reader_expert.py): compress past 0.8 T, read what the question
+    needs from the catalog; with 400-token turns it gets every planted string to the reader in most tasks."""
+    from sft.reader_expert import ReaderExpertEngine
+
+    cfg = load_config(None, ["env.max_steps=60", "memory.threshold=1500", "rollout.max_new_tokens=400"])
+    games = read_games_file(tasks_dir / GAMES_FILE)
+    with open_envs(cfg, 1) as envs:
+        trajs = run_episodes([(f"g{i}", str(g)) for i, g in enumerate(games)], ReaderExpertEngine(smol_tokenizer),
+                             envs, make_renderer(smol_tokenizer, cfg), cfg)
+    score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
+    won = [t for t in trajs if t.success]
+    assert len(won) >= 5
+    for t in won:
+        s = t.stats
+        assert s["num_compress"] >= 1 and s["num_compress_rejected"] == 0 and s["num_format_errors"] == 0
+        assert 1 <= s["num_read"] <= t.task["max_reads"] and s["num_read_miss"] == 0 and t.end_reason == "finish"
+        assert s["peak_working_tokens"] <= cfg.memory.threshold + 400  # one page past the warning at most

@@ -48,7 +48,8 @@ def reading_tasks(data_root: str | Path, distractors: int, states_per_page: int,
         order = [t for t in hay[q.id] if t in chosen] + [t for t in own if t not in hay[q.id]]
         tasks.append({"kind": READING_KIND, "id": f"{prefix}{q.id}", "domain": q.domain, "question": q.question,
                       "question_type": q.question_type, "answer": q.answer, "evidence": sorted(set(needles)),
-                      "evidence_trajectories": own, "states_per_page": states_per_page,
+                      "evidence_trajectories": own, "evidence_states": [list(n) for n in ev["needles"]],
+                      "states_per_page": states_per_page,
                       "state_max_chars": state_max_chars, "max_reads": max_reads, "shortlist": shortlist,
                       "trajectories": [data.trajectories[t] for t in order]})
     if not tasks:

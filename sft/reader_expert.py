@@ -1,0 +1,177 @@
+"""The reader-expert (issue 27): a scripted engine that plays the reading env (envs/reading.py) well, for SFT.
+
+As the ALFWorld expert (sft/expert.py) follows the game's PDDL plan, this one knows where the task planted its
+answer strings (`Trajectory.task["evidence_states"]`, never shown to the policy) and shows the policy what a good controller
+does with what it sees:
+
+- reading: `next` until the working context passes warn_ratio * T (the context status's warning), the last
+  page has been shown, or the evidence seen since the last compression would make a longer call than
+  `EARLY_SHARE` of the turn's token budget; then one CompressExperience that archives, from the pages in the
+  working context, the states holding a planted string as one explicit block a trajectory -- each state's
+  number and page heading, and the AXTree, thought and action lines with the values -- under an index named
+  after the first page (`aurora-cutting-board`), described in the summary's index map by what it holds;
+  pages without such a state leave one short `pages-N` block: the trajectories' goals and outcomes and the
+  pages visited (CompressExperience archives at least one block). The index map carries every earlier index
+  over (memory/tools.py's reminder).
+- the question: read the blocks that hold a planted string not read yet, best first, at most the task's
+  `max_reads`; then finish.
+The demonstrations are kept when every planted string reached the reader (`success`, rewards/reading.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+from common.engine import GenerationRequest
+from envs.reading import LAST_PAGE_NOTE
+from memory.catalog import what_it_holds
+from memory.parsing import COMPRESS, EXECUTE_ACTION, FINISH, READ, render_tool_call
+from rewards.reading import evidence_found
+from rollout.scripted import ScriptedEngine
+
+_STATE_RE = re.compile(r"^State (\d+) \(trajectory (\S+), url ([^)]*)\)$", re.MULTILINE)
+_GOAL_RE = re.compile(r"^Trajectory (\d+) of \d+ \(id (\S+)\): goal: (.*)\nStart URL: .*\nOutcome: (.*)$", re.MULTILINE)
+_HEADING_RE = re.compile(r"heading '([^']+)'")
+PAGES_INDEX = "pages"
+MAX_PAGES_CHARS = 400
+MAX_BLOCK_LINES = 6
+MAX_LINE_CHARS = 120
+EARLY_SHARE = 0.6  # compress before the next page once the call would take this share of a turn's tokens
+
+
+def slug(text: str, limit: int = 40) -> str:
+    """An index from a page heading: lower case, words joined by '-'."""
+    return "-".join(re.findall(r"[a-z0-9]+", text.lower()))[:limit].strip("-") or "page"
+
+
+def states_in(text: str) -> list[dict]:
+    """The states a page shows: {"header", "body"} each (envs/lme_records.py render_state's layout)."""
+    marks = list(_STATE_RE.finditer(text))
+    out = []
+    for i, m in enumerate(marks):
+        end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
+        body = text[m.end():end].split("\n\n" + LAST_PAGE_NOTE)[0].split("\n\n[Context Status")[0]
+        out.append({"header": m.group(0), "trajectory": m.group(2), "state": int(m.group(1)), "body": body})
+    return out
+
+
+def heading_of(body: str) -> str:
+    found = _HEADING_RE.search(body)
+    return found.group(1) if found else ""
+
+
+def evidence_block(states: list[dict], planted: list, taken: set[str]) -> tuple[str, dict, str] | None:
+    """(index, block, what it holds) of the states of one trajectory where the task planted answer strings
+    (`evidence_states`: [trajectory, state, string] triples): one block, a few lines a state; None if none."""
+    parts, headings, fields = [], [], []
+    for state in states:
+        needles = [str(n) for tid, k, n in planted if tid == state["trajectory"] and k == state["state"]]
+        lines = [ln.strip() for ln in state["body"].splitlines() if ln.strip()]
+        hits = [ln[:MAX_LINE_CHARS] for ln in lines if needles and any(evidence_found(ln, needles))]
+        if not hits:
+            continue
+        heading = heading_of(state["body"])
+        headings.append(heading or f"state {state['state']}")
+        parts.append(f"State {state['state']} ({heading or 'page'}):\n" + "\n".join(hits[:MAX_BLOCK_LINES]))
+        fields += [re.sub(r"^\[\w+\]\s*", "", h)[:40] for h in hits[:2]]
+    if not parts:
+        return None
+    base = slug(headings[0])
+    index, n = base, 2
+    while index in taken:
+        index, n = f"{base}-{n}", n + 1
+    content = f"Trajectory {states[0]['trajectory']}\n" + "\n".join(parts)
+    pages = ", ".join(dict.fromkeys(headings))
+    return index, {"db_index": index, "db_content": content}, f"{pages} ({', '.join(dict.fromkeys(fields[:3]))})"
+
+
+class ReaderExpertEngine(ScriptedEngine):
+    """The reader-expert as an engine: each request's episode (`req.state`) decides the next turn."""
+
+    def __init__(self, tokenizer, warn_ratio: float = 0.8):
+        super().__init__(tokenizer, {})
+        self.warn_ratio = warn_ratio
+
+    def generate(self, requests: list[GenerationRequest]):
+        for req in requests:
+            if req.state is None:
+                raise ValueError("ReaderExpertEngine needs the episode in GenerationRequest.state")
+            self.scripts.setdefault(req.episode_id, []).append(self.next_turn(req.state, req.max_new_tokens))
+        return super().generate(requests)
+
+    def release(self, episode_id: str) -> None:
+        super().release(episode_id)
+        self.scripts.pop(episode_id, None)
+
+    def next_turn(self, ep, budget: int) -> str:
+        task = ep.traj.task
+        needles = [str(n) for n in task.get("evidence", [])]
+        if task.get("question_step") is not None:
+            return self._answer(ep, needles, int(task.get("max_reads", 1)))
+        steps = ep.traj.steps
+        last = steps[-1].observation if steps else ""
+        compressed_last = bool(steps) and steps[-1].compressed
+        full = ep.context.working_tokens > self.warn_ratio * ep.context.threshold
+        if not compressed_last:
+            call = self._compress(ep, task.get("evidence_states", []), budget)
+            if full or LAST_PAGE_NOTE in last or self._tokens(call) > EARLY_SHARE * budget:
+                return call
+        if LAST_PAGE_NOTE in last or compressed_last and any(LAST_PAGE_NOTE in s.observation for s in steps[-3:]):
+            return render_tool_call(EXECUTE_ACTION, {"action": "next"}, "Everything is archived: the question.")
+        return render_tool_call(EXECUTE_ACTION, {"action": "next"})
+
+    def _compress(self, ep, planted: list, budget: int) -> str:
+        working = [m["content"] for m in ep.context.messages[2:] if m["role"] != "assistant"]
+        text = "\n\n".join(working)
+        taken = set(ep.store.indices())
+        blocks, lines = [], []
+        shown = states_in(text)
+        for trajectory in dict.fromkeys(st["trajectory"] for st in shown):
+            found = evidence_block([st for st in shown if st["trajectory"] == trajectory], planted, taken)
+            if found is not None:
+                index, block, what = found
+                taken.add(index)
+                blocks.append(block)
+                lines.append(f"- {index}: {what}")
+        if not blocks:  # nothing a question asks about: where the agent went, for the procedure questions
+            index = f"{PAGES_INDEX}-{len(ep.context.segments)}"
+            visited = " > ".join(dict.fromkeys(heading_of(s["body"]) or "page" for s in states_in(text)))
+            goals = [f"Trajectory {m.group(2)}: {m.group(3)} Outcome: {m.group(4)}" for m in _GOAL_RE.finditer(text)]
+            blocks.append({"db_index": index, "db_content": "\n".join([*goals, f"Pages: {visited}"])[:MAX_PAGES_CHARS]})
+            lines.append(f"- {index}: the pages visited ({visited[:60]})")
+        pages = [i for i in ep.store.indices() if i.startswith(PAGES_INDEX + "-")]
+        earlier = [f"- {i}: {what_it_holds(i, ep.store.read(i).description)}" for i in ep.store.indices()
+                   if i not in pages] + ([f"- {', '.join(pages)}: the pages visited earlier"] if pages else [])
+        seen = sorted({s["trajectory"] for s in states_in(text)})
+        summary = (f"Read pages of {', '.join(seen) or 'the trajectories'}; archived what a question may ask.\n"
+                   "Index map:\n" + "\n".join(earlier + lines))
+        thought = "My working context is filling up: I archive the values I saw."
+        return self._fit(COMPRESS, {"summary": summary, "db_blocks": blocks}, thought, budget)
+
+    def _tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + 1
+
+    def _fit(self, name: str, arguments: dict, thought: str, budget: int) -> str:
+        """The call with its thought if it fits in `budget` tokens, else without (a cut call is a format error)."""
+        for text in (render_tool_call(name, arguments, thought), render_tool_call(name, arguments)):
+            if self._tokens(text) <= budget:
+                return text
+        return text
+
+    def _answer(self, ep, needles: list[str], max_reads: int) -> str:
+        asked = ep.traj.task["question_step"]
+        read = {str((s.arguments or {}).get("db_index")) for s in ep.traj.steps[asked + 1:]
+                if s.tool == READ and s.error is None}
+        have = "\n".join(ep.store.read(i).content for i in read)
+        missing = [n for n, ok in zip(needles, evidence_found(have, needles)) if not ok]
+        scored = []
+        for index in ep.store.indices():
+            if index in read:
+                continue
+            hits = sum(evidence_found(ep.store.read(index).content, missing))
+            if hits:
+                scored.append((-hits, index))
+        if scored and len(read) < max_reads:
+            index = min(scored)[1]
+            return render_tool_call(READ, {"db_index": index}, f"Block '{index}' holds what the question asks.")
+        return render_tool_call(FINISH, {}, "The blocks I read hold the answer.")
