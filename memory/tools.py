@@ -108,9 +108,15 @@ def _blocks_from_arguments(raw: Any, context_text: str | list[str], summary: str
 
 
 def _describe(index: str, summary: str) -> str:
-    """The summary lines that mention an index: its description in the index map."""
-    named = re.compile(rf"(?<![\w-]){re.escape(index)}(?![\w-])")  # "goals" is not named by a "goals-2" line
-    return " ".join(line.strip() for line in summary.splitlines() if named.search(line))[:300]
+    """An index's description: its own index-map line(s) (`- index: what it holds`), else the summary lines
+    that name it as a whole word."""
+    lines = summary.splitlines()
+    key = re.compile(rf"^\s*[-*]?\s*`?{re.escape(index)}`?\s*[:=]")  # its own line: "- goals: ...", not "- goals-2: ..."
+    own = [line.strip() for line in lines if key.match(line)]
+    if own:
+        return " ".join(own)[:300]
+    named = re.compile(rf"(?<![\w-]){re.escape(index)}(?![\w-])")  # else the lines naming it as a whole word
+    return " ".join(line.strip() for line in lines if named.search(line))[:300]
 
 
 def run_compress(

@@ -210,3 +210,15 @@ def test_the_reader_expert_archives_the_evidence_and_reads_it_back(tasks_dir, sm
         assert s["num_compress"] >= 1 and s["num_compress_rejected"] == 0 and s["num_format_errors"] == 0
         assert 1 <= s["num_read"] <= t.task["max_reads"] and s["num_read_miss"] == 0 and t.end_reason == "finish"
         assert s["peak_working_tokens"] <= cfg.memory.threshold + 400  # one page past the warning at most
+
+
+def test_an_index_is_described_by_its_own_index_map_line_only(tasks_dir, cfg, smol_tokenizer):
+    """`pages` is not described by the line of `pages-2`, which it prefixes (memory/tools.py)."""
+    path, task = load(tasks_dir, "static-environment")
+    pages = sum(-(-len(t["states"]) // 2) for t in task["trajectories"])
+    both = call("CompressExperience", {"summary": "Index map:\n- pages: the first pages\n- pages-2: the next pages",
+                                       "db_blocks": [{"db_index": "pages", "db_content": "a"},
+                                                     {"db_index": "pages-2", "db_content": "b"}]})
+    traj = play(cfg, smol_tokenizer, path, [NEXT] * pages + [both, NEXT, call("finish", {})])
+    question = traj.steps[traj.task["question_step"]].observation
+    assert question.endswith(CATALOG_HEADER + "\n- pages: the first pages\n- pages-2: the next pages")
