@@ -276,6 +276,8 @@ def game_spec(game: str | Path, data_dir: str | Path = "") -> str:
     """How a games file names `game`: its path relative to the ALFWorld data root when it lies under it (the
     file then works wherever ALFWORLD_DATA points), else its absolute path."""
     path = Path(game).resolve()
+    if is_reading_task(path):  # a reading task lives wherever `memexrl lme tasks` wrote it
+        return str(path)
     try:
         return str(path.relative_to(data_root(data_dir).resolve()))
     except ValueError:

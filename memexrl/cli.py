@@ -85,9 +85,17 @@ def cmd_expert(args: argparse.Namespace) -> None:
     from sft.demos import DEMOS_FILE, check_request, make_demonstrations, summary_text, write_demonstrations
 
     cfg = load_config(args.config, args.overrides)
-    out = check_request(cfg, args.split, args.games, args.out)
-    kept, report = make_demonstrations(cfg, args.split, args.games, args.workers, order=args.order,
-                                       task_types=args.task_types, need_memory=args.need_memory)
+    if args.reading_tasks:
+        from sft.demos import make_reading_demonstrations
+
+        out = check_request(cfg, None, 1, args.out)
+        kept, report = make_reading_demonstrations(cfg, args.reading_tasks, args.workers)
+    else:
+        if args.split is None or args.games is None:
+            raise MemexError("memexrl expert needs --split and --games (ALFWorld), or --reading-tasks FILE")
+        out = check_request(cfg, args.split, args.games, args.out)
+        kept, report = make_demonstrations(cfg, args.split, args.games, args.workers, order=args.order,
+                                           task_types=args.task_types, need_memory=args.need_memory)
     write_demonstrations(out, kept, report, cfg.model.name, cfg.env.data_dir)
     print(summary_text(report))
     print(f"{len(kept)} demonstrations written to {out / DEMOS_FILE}, their games to {out / GAMES_FILE}")
@@ -230,8 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep.set_defaults(func=cmd_replay)
 
     exp = sub.add_parser("expert", help="Memex expert demonstrations (trajectory JSON lines) for SFT")
-    exp.add_argument("--split", required=True, help="train, valid_seen, valid_unseen or valid")
-    exp.add_argument("--games", type=int, required=True, help="play the first N games of the split")
+    exp.add_argument("--split", default=None, help="train, valid_seen, valid_unseen or valid")
+    exp.add_argument("--games", type=int, default=None, help="play the first N games of the split")
+    exp.add_argument("--reading-tasks", default="",
+                     help="instead: the reader-expert on the reading tasks this games file lists (`memexrl lme tasks`)")
     exp.add_argument("--out", required=True, help="directory for demos.jsonl and report.json")
     exp.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
     exp.add_argument("--workers", type=non_negative_int, default=None, help="env worker processes (default: env.num_workers)")

@@ -134,12 +134,37 @@ def make_demonstrations(
     return kept, report
 
 
+def make_reading_demonstrations(cfg: Config, games_file: str, workers: int | None = None, tokenizer=None,
+                                progress: bool = True) -> tuple[list[Trajectory], dict]:
+    """Play the reader-expert (sft/reader_expert.py) on the reading tasks a games file lists (`memexrl lme
+    tasks`); keep the episodes that brought every planted string to the reader (`success`); the report."""
+    from envs.data import read_games_file
+    from sft.reader_expert import ReaderExpertEngine
+
+    games = read_games_file(games_file)
+    if tokenizer is None:
+        from modeling.load import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model)
+    start = time.perf_counter()
+    engine = ReaderExpertEngine(tokenizer, cfg.memory.warn_ratio)
+    jobs = [(f"g{i}", str(g)) for i, g in enumerate(games)]
+    with open_envs(cfg, workers) as envs:
+        trajs = run_episodes(jobs, engine, envs, make_renderer(tokenizer, cfg), cfg, progress=progress)
+    score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
+    recall = [t.reward["task"] for t in trajs]
+    report = {"split": "reading", "games_file": str(games_file), **demo_report(trajs),
+              "evidence_recall_mean": _mean(recall), "seconds": round(time.perf_counter() - start, 1)}
+    return [t for t in trajs if t.success], report
+
+
 # --- the `memexrl expert` command --------------------------------------------------------------------
-def check_request(cfg: Config, split: str, n_games: int, out_dir: str | Path) -> Path:
+def check_request(cfg: Config, split: str | None, n_games: int, out_dir: str | Path) -> Path:
     """Validate `memexrl expert` input before anything runs; return the (created) output directory."""
     if n_games < 1:
         raise MemexError(f"--games must be >= 1, got {n_games}")
-    list_games(split, cfg.env.data_dir)  # a bad split or missing data: MemexError naming the fix
+    if split is not None:  # None: reading tasks, no ALFWorld data needed
+        list_games(split, cfg.env.data_dir)  # a bad split or missing data: MemexError naming the fix
     out = Path(out_dir).expanduser()
     try:
         out.mkdir(parents=True, exist_ok=True)

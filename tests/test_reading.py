@@ -222,3 +222,18 @@ def test_an_index_is_described_by_its_own_index_map_line_only(tasks_dir, cfg, sm
     traj = play(cfg, smol_tokenizer, path, [NEXT] * pages + [both, NEXT, call("finish", {})])
     question = traj.steps[traj.task["question_step"]].observation
     assert question.endswith(CATALOG_HEADER + "\n- pages: the first pages\n- pages-2: the next pages")
+
+
+def test_memexrl_expert_writes_reading_demonstrations_sft_can_take(tasks_dir, tmp_path, capsys):
+    from memexrl.cli import main
+    from sft.dataset import build_dataset
+
+    out = tmp_path / "demos"
+    assert main(["expert", "--reading-tasks", str(tasks_dir / GAMES_FILE), "--out", str(out), "--workers", "1",
+                 "env.max_steps=60", "memory.threshold=1500", "rollout.max_new_tokens=400"]) == 0
+    kept = read_games_file(out / GAMES_FILE)
+    assert len(kept) >= 5 and all(g.parent == tasks_dir for g in kept)  # absolute paths of the tasks kept
+    rows = build_dataset(str(out / "demos.jsonl"), 0.0, 4096)["train"]
+    assert len(rows) > len(kept) and {r["task_type"].split("/")[0] for r in rows} == {"reading"}  # > 1 segment each
+    assert main(["expert", "--out", str(tmp_path / "x")]) == 2
+    assert "--reading-tasks" in capsys.readouterr().err
