@@ -46,6 +46,7 @@ from eval.lme.reader import (
     validate_items,
 )
 from eval.lme.scoring import extract_boxed, is_unknown, parse_eval_function, score
+from rewards.reading import evidence_found
 
 log = logging.getLogger(__name__)
 MEMORY_STATE = "memory_state"
@@ -124,11 +125,12 @@ def evidence_strings(root: Path) -> dict[str, list[str]]:
 
 
 def evidence_in_context(row: dict, strings: list[str]) -> bool | None:
-    """Whether every planted string is in the text the reader got (None: nothing planted for this question)."""
+    """Whether every planted string is in the text the reader got, as a whole word or phrase (the reading
+    reward's test, rewards/reading.py; None: nothing planted for this question)."""
     if not strings:
         return None
     text = "\n".join(i["value"] for i in row["memory_context"] if i["type"] == "text")
-    return all(s in text for s in strings)
+    return all(evidence_found(text, strings))
 
 
 def done_rows(path: Path) -> dict[str, dict]:
