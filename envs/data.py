@@ -297,14 +297,17 @@ def read_games_file(path: str | Path, data_dir: str | Path = "") -> list[Path]:
         raise MemexError(f"cannot read the games file {file} ({getattr(e, 'strerror', None) or e}): "
                          f"give a text file of games, one per line (`memexrl expert` writes DIR/{GAMES_FILE})") from None
     games = []
+    root: Path | None = None  # the ALFWorld data root, found at the first ALFWorld game
     for number, line in enumerate(lines, 1):
         spec = line.split("#", 1)[0].strip()
         if not spec:
             continue
-        # a relative path: a reading task's is relative to the games file, an ALFWorld game's to the data root
-        base = file.parent if is_reading_task(spec) else None
         try:
-            base = base or data_root(data_dir)
+            # a relative path: a reading task's is relative to the games file, an ALFWorld game's to the data root
+            if is_reading_task(spec):
+                base = file.parent
+            else:
+                root = base = root or data_root(data_dir)
             under_base = base / spec
             games.append(resolve_game(under_base if not Path(spec).is_absolute() and under_base.exists() else spec,
                                       data_dir))

@@ -104,8 +104,7 @@ class ReadingEnv:
 
     def _info(self, **extra: Any) -> dict[str, Any]:
         return {"game": self.task_file, "task_type": f"{READING_TASK}/{self.task['question_type']}",
-                "goal": "read the trajectories, then answer a question from memory", "won": False,
-                "advances": True, **extra}
+                "goal": "read the trajectories, then answer a question from memory", "won": False, **extra}
 
     def reset(self, *, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         self.position, self.asked = 0, False
@@ -122,17 +121,16 @@ class ReadingEnv:
         info = self._info(task={"kind": READING_TASK, "id": self.task["id"], "evidence": self.task["evidence"],
                                 "evidence_states": self.task.get("evidence_states", []),
                                 "max_reads": self.task["max_reads"]})
-        info.pop("advances")
         return obs, info
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self.asked:
-            return NO_MORE_STATES, 0.0, False, False, self._info(advances=False)
+            return NO_MORE_STATES, 0.0, False, False, self._info(advances=False)  # a repeat is a repeat now
         if self.position >= len(self.pages):
             self.asked = True
             catalog = {"query": self.task["question"], "shortlist": self.task["shortlist"]}
             return (question_message(self.task["question"], self.task["max_reads"]), 0.0, False, False,
-                    self._info(new_context=True, catalog=catalog))
+                    self._info(advances=True, new_context=True, catalog=catalog))
         page = self.pages[self.position]
         self.position += 1
         trajectories = self.task["trajectories"]
@@ -143,7 +141,7 @@ class ReadingEnv:
             parts.append(render_state(trajectories[j], k, self.task["state_max_chars"]))
         if self.position == len(self.pages):
             parts.append(LAST_PAGE_NOTE)
-        return "\n\n".join(parts), 0.0, False, False, self._info()
+        return "\n\n".join(parts), 0.0, False, False, self._info(advances=True)
 
     def close(self) -> None:
         pass

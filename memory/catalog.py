@@ -9,9 +9,8 @@ as a 500-trajectory archive does not fit in a prompt), then the rest in the orde
 
 from __future__ import annotations
 
-import re
-
 from memory.store import ExperienceStore
+from memory.tools import index_line_key
 
 CATALOG_HEADER = "Archived blocks (db_index: what it holds):"
 EMPTY_CATALOG = "(the archive is empty: nothing was archived)"
@@ -26,7 +25,7 @@ def catalog_indices(store: ExperienceStore, query: str, shortlist: int) -> list[
 
 def what_it_holds(index: str, description: str) -> str:
     """The description without the `- index:` the index-map line it came from starts with."""
-    text = re.sub(rf"^[-*\s]*{re.escape(index)}\s*[:=-]\s*", "", description.strip())
+    text = index_line_key(index).sub("", description.strip(), count=1)
     return text or "archived block"
 
 

@@ -107,11 +107,16 @@ def _blocks_from_arguments(raw: Any, context_text: str | list[str], summary: str
     return blocks
 
 
+def index_line_key(index: str) -> re.Pattern:
+    """The start of an index's own index-map line, `- index:` (not `- index-2:`)."""
+    return re.compile(rf"^\s*[-*]?\s*`?{re.escape(index)}`?\s*[:=]\s*")
+
+
 def _describe(index: str, summary: str) -> str:
     """An index's description: its own index-map line(s) (`- index: what it holds`), else the summary lines
     that name it as a whole word."""
     lines = summary.splitlines()
-    key = re.compile(rf"^\s*[-*]?\s*`?{re.escape(index)}`?\s*[:=]")  # its own line: "- goals: ...", not "- goals-2: ..."
+    key = index_line_key(index)
     own = [line.strip() for line in lines if key.match(line)]
     if own:
         return " ".join(own)[:300]

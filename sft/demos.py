@@ -69,12 +69,15 @@ def needed_memory(traj: Trajectory) -> bool:
 
 
 def run_expert(
-    cfg: Config, games: list, tokenizer, workers: int | None = None, *, store_factory=None, progress: bool = False
+    cfg: Config, games: list, tokenizer, workers: int | None = None, *, store_factory=None, progress: bool = False,
+    engine=None,
 ) -> tuple[list[Trajectory], MemexExpertEngine]:
-    """Play the Memex expert on `games` (episode ids `g0`, `g1`, ...), a few chunks at a time; all trajectories."""
-    engine = MemexExpertEngine(tokenizer, cfg.expert.detour_rate, cfg.expert.max_detours, cfg.seed,
-                               cfg.expert.rejected_compress_rate, cfg.expert.max_turn_tokens,
-                               cfg.expert.milestone_compress, cfg.expert.seen_evidence)
+    """Play the Memex expert (or another scripted `engine`: the reader-expert) on `games` (episode ids `g0`,
+    `g1`, ...), a few chunks at a time; all trajectories, scored."""
+    if engine is None:
+        engine = MemexExpertEngine(tokenizer, cfg.expert.detour_rate, cfg.expert.max_detours, cfg.seed,
+                                   cfg.expert.rejected_compress_rate, cfg.expert.max_turn_tokens,
+                                   cfg.expert.milestone_compress, cfg.expert.seen_evidence)
     renderer = make_renderer(tokenizer, cfg)
     jobs = [(f"g{i}", str(g)) for i, g in enumerate(games)]
     workers = cfg.env.num_workers if workers is None else workers
@@ -147,11 +150,8 @@ def make_reading_demonstrations(cfg: Config, games_file: str, workers: int | Non
 
         tokenizer = load_tokenizer(cfg.model)
     start = time.perf_counter()
-    engine = ReaderExpertEngine(tokenizer, cfg.memory.warn_ratio)
-    jobs = [(f"g{i}", str(g)) for i, g in enumerate(games)]
-    with open_envs(cfg, workers) as envs:
-        trajs = run_episodes(jobs, engine, envs, make_renderer(tokenizer, cfg), cfg, progress=progress)
-    score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
+    trajs, _ = run_expert(cfg, games, tokenizer, workers, progress=progress,
+                          engine=ReaderExpertEngine(tokenizer, cfg.memory.warn_ratio))
     recall = [t.reward["task"] for t in trajs]
     report = {"split": "reading", "games_file": str(games_file), **demo_report(trajs),
               "evidence_recall_mean": _mean(recall), "seconds": round(time.perf_counter() - start, 1)}

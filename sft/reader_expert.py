@@ -135,14 +135,14 @@ class ReaderExpertEngine(ScriptedEngine):
                 lines.append(f"- {index}: {what}")
         if not blocks:  # nothing a question asks about: where the agent went, for the procedure questions
             index = f"{PAGES_INDEX}-{len(ep.context.segments)}"
-            visited = " > ".join(dict.fromkeys(heading_of(s["body"]) or "page" for s in states_in(text)))
+            visited = " > ".join(dict.fromkeys(heading_of(s["body"]) or "page" for s in shown))
             goals = [f"Trajectory {m.group(2)}: {m.group(3)} Outcome: {m.group(4)}" for m in _GOAL_RE.finditer(text)]
             blocks.append({"db_index": index, "db_content": "\n".join([*goals, f"Pages: {visited}"])[:MAX_PAGES_CHARS]})
             lines.append(f"- {index}: the pages visited ({visited[:60]})")
         pages = [i for i in ep.store.indices() if i.startswith(PAGES_INDEX + "-")]
         earlier = [f"- {i}: {what_it_holds(i, ep.store.read(i).description)}" for i in ep.store.indices()
                    if i not in pages] + ([f"- {', '.join(pages)}: the pages visited earlier"] if pages else [])
-        seen = sorted({s["trajectory"] for s in states_in(text)})
+        seen = sorted({s["trajectory"] for s in shown})
         summary = (f"Read pages of {', '.join(seen) or 'the trajectories'}; archived what a question may ask.\n"
                    "Index map:\n" + "\n".join(earlier + lines))
         thought = "My working context is filling up: I archive the values I saw."

@@ -7,7 +7,7 @@ looks for (rewards/reading.py). Training sets come from `lme synth` with trainin
 evaluation is `memexrl eval lme` on a seed no task was made from.
 
 Writes OUT/<question id>.json (self-contained: the env needs nothing else) and OUT/games.txt listing them
-(relative to OUT), the games file `train.games_file` takes; `--prefix` names the tasks of several seeds apart.
+(relative to OUT), the games file `train.reading_tasks` takes; `--prefix` names the tasks of several seeds apart.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ from pathlib import Path
 
 from common.atomic import write_text_atomic
 from common.errors import MemexError
+from envs.data import GAMES_FILE
 from envs.reading import READING_KIND, load_reading_task
 from eval.lme.data import load_lme
 from eval.lme.synth import EVIDENCE_FILE
-
-GAMES_FILE = "games.txt"
 
 
 def reading_tasks(data_root: str | Path, distractors: int, states_per_page: int, state_max_chars: int,
@@ -80,4 +79,4 @@ def tasks_command(data: str, out: str, distractors: int, states_per_page: int, s
     sizes = [len(task["trajectories"]) for task in tasks]
     return (f"Wrote {len(tasks)} reading tasks to {out} ({min(sizes)}-{max(sizes)} trajectories, "
             f"{min(states)}-{max(states)} states a task); "
-            f"train on them with train.games_file={games}")
+            f"train on them with train.env=reading train.reading_tasks={games}")

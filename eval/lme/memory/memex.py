@@ -38,9 +38,9 @@ from tqdm import tqdm
 from common.config import Config, load_config
 from common.engine import GenerationRequest
 from common.errors import MemexError
-from common.trajectory import READING_TASK as READING_KIND
+from common.trajectory import READING_TASK
 from envs.pool import EnvResult
-from envs.reading import ReadingEnv, question_message
+from envs.reading import READING_KIND, ReadingEnv, question_message
 from eval.lme.memory.base import Memory, MemoryOptions, register
 from memory.catalog import catalog_text, what_it_holds
 from memory.parsing import READ
@@ -192,7 +192,7 @@ class MemexMemory(Memory):
     def query(self, question: str, question_image: str | None = None) -> list[dict]:
         self.flush()
         task = question_message(question, self.max_reads) + "\n" + catalog_text(self.store, question, self.shortlist)
-        first = EnvResult("lme", task, 0.0, False, False, {"goal": question, "task": {"kind": READING_KIND}})
+        first = EnvResult("lme", task, 0.0, False, False, {"goal": question, "task": {"kind": READING_TASK}})
         episode = self._episode(self.store, self.max_reads + 2, first, "query")
         engine, _ = self._engine_and_renderer()
         read: list[str] = []  # (one question at a time: the latency of query() is its own)
