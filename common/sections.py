@@ -206,7 +206,9 @@ class SFTSection:
         "`memexrl sft --resume` (optimizer and schedule too).", 200)
     eval_steps: int = _help("Validation loss every N steps (0: only at the end).", 0)
     gradient_checkpointing: bool = _help("Trade compute for memory (large models on GPUs).", False)
-    bf16: bool = _help("bfloat16 mixed precision (GPUs; the CPU trains in float32).", False)
+    bf16: bool = _help(
+        "bfloat16 mixed precision (autocast): GPUs, and CPUs with native bfloat16 (AVX-512 BF16 or AMX: ~1.75x "
+        "faster than float32 there; elsewhere an error, the CPU then trains in float32).", False)
     deepspeed: str = _help("DeepSpeed JSON config path for multi-GPU runs (configs/deepspeed/).", "")
     wandb: bool = _help("Log to wandb (offline in RUN/wandb unless you are logged in).", True)
     check_games: int = _help("Held-out games for the post-SFT check, task types in turn (0 skips it).", 4)

@@ -1,4 +1,4 @@
-"""`memexrl bench env|store|rollout|trainer`: benchmarks that print ratios measured side by side in one run.
+"""`memexrl bench env|store|rollout|trainer|sft|update|sync`: benchmarks that print ratios measured side by side in one run.
 
 - env: env steps/s through the worker pool with 1 and 2 worker processes, then the share of
   rollout time spent outside the model with SmolLM2 playing real games;
@@ -6,6 +6,7 @@
 - rollout: transformers-engine generation with and without the per-episode KV cache, and in float32 vs
   a bfloat16 copy (rollout.dtype) against this CPU's matmul roofline;
 - trainer: trained tokens/s of our GRPO update path vs TRL's GRPOTrainer on the same work;
+- sft: one SFT step in float32 vs bfloat16 autocast (sft.bf16), on this CPU (eval/bench_sft.py);
 - update: the GRPO update's peak memory with and without its memory measures (eval/bench_update.py);
 - sync: the full-weight INT4 sync to vLLM, a whole host copy vs streamed (eval/bench_sync.py).
 """
@@ -49,6 +50,11 @@ def run(what: str, args: argparse.Namespace) -> str:
 
         runs = bench_sync(args.sync_hidden, args.sync_layers, args.sync_experts, args.sync_bucket_mib)
         return format_bench_sync(runs, args.sync_bucket_mib)
+    if what == "sft":
+        from eval.bench_sft import bench_sft, format_bench_sft
+
+        return format_bench_sft(bench_sft(args.config, getattr(args, "overrides", None), tokens=args.segment_tokens,
+                                          runs=args.runs))
     if what == "update":
         from eval.bench_trainer import DEFAULT_CONFIG
         from eval.bench_update import bench_update, format_bench_update

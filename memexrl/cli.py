@@ -308,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_lme_commands(sub, eva_sub)
 
     ben = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
-    ben.add_argument("what", choices=["env", "store", "rollout", "trainer", "update", "sync"], help="what to measure")
+    ben.add_argument("what", choices=["env", "store", "rollout", "trainer", "sft", "update", "sync"], help="what to measure")
     ben.add_argument("--split", default="valid_seen", help="games for env/rollout benches")
     ben.add_argument("--vllm-python", default="", metavar="PYTHON",
                      help="bench rollout: also roll out through a vllm serve from this Python (.venv-vllm/bin/python)")
@@ -316,12 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--steps", type=positive_int, default=200, help="env steps per worker count (bench env)")
     ben.add_argument("--blocks", type=positive_int, default=2000, help="blocks written (bench store)")
     ben.add_argument("--config", default=None, help="YAML config (bench rollout; trainer, update: configs/tiny-cpu.yaml)")
-    ben.add_argument("--runs", type=positive_int, default=3, help="timed runs of each side (bench trainer)")
+    ben.add_argument("--runs", type=positive_int, default=3, help="timed runs of each side (bench trainer, sft)")
     ben.add_argument("--bench-steps", type=positive_int, default=2, help="GRPO steps per run (bench trainer, update)")
     ben.add_argument("--prompts", type=positive_int, default=2, help="prompts per step (bench trainer)")
     ben.add_argument("--group", type=positive_int, default=4, help="G, completions per prompt (bench trainer)")
     ben.add_argument("--completion-tokens", type=positive_int, default=32, help="tokens per completion (bench trainer)")
-    ben.add_argument("--segment-tokens", type=positive_int, default=2000, help="tokens per segment (bench update)")
+    ben.add_argument("--segment-tokens", type=positive_int, default=2000, help="tokens per segment (bench update, sft)")
     ben.add_argument("--sync-hidden", type=positive_int, default=1024, help="hidden size of the synced model (bench sync)")
     ben.add_argument("--sync-layers", type=positive_int, default=4, help="decoder layers of the synced model (bench sync)")
     ben.add_argument("--sync-experts", type=positive_int, default=16, help="experts per layer of the synced model (bench sync)")

@@ -1,7 +1,8 @@
 """`memexrl sft`: the SFT warm start with TRL's SFTTrainer (memex.md "Training").
 
 Assistant-only loss on the segments of successful Memex demonstrations (sft/dataset.py),
-LoRA through PEFT or full fine-tuning, packing off. Runs on the CPU (`use_cpu`, float32) and,
+LoRA through PEFT or full fine-tuning, packing off. Runs on the CPU (`use_cpu`; float32, or bfloat16
+autocast with `sft.bf16` where the CPU has native bfloat16) and,
 unchanged, on GPUs under `accelerate launch` / DeepSpeed (`sft.deepspeed`). Writes the run
 directory of design.md: config.yaml (resolved), metrics.jsonl, checkpoints/step-N (adapter or
 full model in HF format, written to a temp dir and renamed), wandb/ (offline unless logged in).
@@ -24,7 +25,7 @@ from typing import Any
 from common.config import Config
 from common.errors import MemexError
 from common.seeding import seed_everything
-from modeling.load import load_policy, resolve_device
+from modeling.load import cpu_has_native_bf16, load_policy, resolve_device
 from modeling.lora import lora_config
 from sft.dataset import build_dataset
 from training.log import import_wandb
@@ -110,8 +111,9 @@ def run_sft(cfg: Config, resume: bool = False) -> Path:
     data = build_dataset(s.demos, s.validation_fraction, s.max_length, s.task_types)
     model, tokenizer = load_policy(cfg.model, for_training=True)
     on_cpu = resolve_device(cfg.model.device).type == "cpu"
-    if on_cpu and s.bf16:
-        raise MemexError("sft.bf16=true needs a GPU; set sft.bf16=false on the CPU")
+    if on_cpu and s.bf16 and not cpu_has_native_bf16():
+        raise MemexError("sft.bf16=true on the CPU needs native bfloat16 (AVX-512 BF16 or AMX), which this CPU "
+                         "lacks (it would run slower than float32): set sft.bf16=false")
     peft_config = lora_config(model, s.lora_r, s.lora_alpha, s.lora_dropout, s.lora_target_modules) if s.lora else None
     has_val = "validation" in data
     args = SFTConfig(
