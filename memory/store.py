@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import sqlite3
@@ -99,7 +100,16 @@ _WORD = re.compile(r"[a-z0-9]+")
 _CAMEL = re.compile(r"(?<=[a-z])(?=[A-Z])")
 
 
+def _bm25s():
+    """bm25s, its logger quietened: bm25s sets it to DEBUG at import, a line for every index it builds."""
+    import bm25s
+
+    logging.getLogger("bm25s").setLevel(logging.WARNING)
+    return bm25s
+
+
 def _stopwords() -> frozenset[str]:
+    _bm25s()
     from bm25s.stopwords import STOPWORDS_EN
 
     return frozenset(STOPWORDS_EN)
@@ -225,9 +235,7 @@ class ExperienceStore(abc.ABC):
             return []
         key = tuple((b.index, b.version) for b in current)
         if self._suggest_cache is None or self._suggest_cache[0] != key:
-            import bm25s
-
-            retriever = bm25s.BM25()
+            retriever = _bm25s().BM25()
             stop = _stopwords()
             # An empty document gets a placeholder token so that bm25s sees no empty corpus.
             docs = [_tokenize(_suggest_text(b), stop) or ["\x00"] for b in current]

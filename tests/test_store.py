@@ -126,6 +126,15 @@ def test_bad_step_rejected(store):
     assert len(store) == 0
 
 
+def test_suggest_logs_no_line_per_index_it_builds(store, caplog):
+    """bm25s sets its own logger to DEBUG: a reading episode's logs were a 'Building index' line a turn."""
+    caplog.set_level("DEBUG")
+    store.write("fridge_1_contents", "apple 2, egg 1", step=1)
+    store.write("countertop_items", "knife 1, bread 1", step=2)
+    assert store.suggest("knife") == ["countertop_items"]
+    assert not [r for r in caplog.records if r.name.startswith("bm25s")]
+
+
 def test_suggest(store):
     assert store.suggest("fridge") == []
     store.write("fridge_1_contents", "apple 2, egg 1, lettuce 1", step=1, description="what is in the fridge")
