@@ -102,9 +102,10 @@ class RolloutConfig:
     max_new_tokens: int = _help("Tokens per assistant turn at most.", 512)
     batch_size: int = _help("Episodes generated together by the transformers engine.", 16)
     dtype: str = _help(
-        "Dtype the transformers engine generates in: 'auto' (the policy's own module, model.dtype) or float32, "
-        "bfloat16, float16 (a copy in that dtype, refreshed after every update; bfloat16 is ~1.3x faster on a CPU "
-        "with AVX-512 BF16, memexrl bench rollout).", "auto")
+        "Dtype the rollout engine generates in: 'auto' (model.dtype; the transformers engine generates with the "
+        "policy's own module) or float32, bfloat16, float16 (the transformers engine: a copy in that dtype, "
+        "refreshed after every update; vLLM: its weights in that dtype). bfloat16 pays on CPUs with AVX-512 BF16 "
+        "or AMX (memexrl bench rollout).", "auto")
     observation_role: str = _help(
         "Chat role of tool/env observations: 'tool' (Qwen style) or 'user' for templates without one.",
         "tool",

@@ -103,6 +103,7 @@ def make_engine(policy: Policy, cfg: Config, accelerator=None, resources: contex
     from rollout.vllm import Ranks, make_vllm_engine
 
     model_dir = r.vllm_model or resolve_model_path(policy.rollout_model_dir, cfg.model.cache_dir)
+    dtype = cfg.model.dtype if r.dtype == "auto" else r.dtype  # vLLM casts the weights it loads and syncs
     lora_rank = cfg.train.lora_r if policy.uses_adapter else 0
     server_url = r.vllm_server_url or None
     if server_url == "managed":
@@ -111,12 +112,12 @@ def make_engine(policy: Policy, cfg: Config, accelerator=None, resources: contex
         if resources is None:
             raise MemexError("rollout.vllm_server_url=managed needs a trainer to own the server's lifetime")
         port = free_port()
-        cmd = serve_command(r.vllm_server_python, str(model_dir), port, dtype=cfg.model.dtype,
+        cmd = serve_command(r.vllm_server_python, str(model_dir), port, dtype=dtype,
                             max_model_len=r.max_context_tokens, lora_rank=lora_rank)
         log_file = Path(cfg.train.output_dir) / f"vllm-serve-{Ranks.of(accelerator).rank if accelerator else 0}.log"
         server_url = resources.enter_context(ManagedServer(cmd, port, log_file, r.vllm_server_startup_s)).url
     engine = make_vllm_engine(
-        model_dir=model_dir, tokenizer=policy.tokenizer, sampling=r, seed=cfg.seed, dtype=cfg.model.dtype,
+        model_dir=model_dir, tokenizer=policy.tokenizer, sampling=r, seed=cfg.seed, dtype=dtype,
         server_url=server_url, lora_rank=lora_rank,
         max_model_len=r.max_context_tokens, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         ranks=Ranks.of(accelerator) if accelerator is not None else Ranks(),
