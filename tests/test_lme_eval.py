@@ -71,6 +71,9 @@ def test_eval_lme_runs_scores_and_resumes(dataset, tmp_path, capsys):
     assert aggregated["memory_query"]["avg_seconds"] > 0
     # The synthetic set's planted answers: rag's slices carry them into the context (a diagnostic of ours).
     assert 0 < aggregated["evidence_recall"] <= 1 and all(isinstance(r["evidence_in_context"], bool) for r in rows)
+    assert all(r["evidence_in_context"] == (r["evidence_share"] == 1.0) for r in rows)  # all strings vs their share
+    assert aggregated["evidence_recall"] <= aggregated["evidence_string_recall"] == pytest.approx(
+        sum(r["evidence_share"] for r in rows) / len(rows))
     assert sorted(p.parent.name for p in (out / "memory_state").glob("*/DONE")) == ["group000-web", "group001-enterprise"]
     # Interrupted in the middle of writing the third row: a rerun answers it again and keeps the others.
     lines = (out / PER_QUESTION_FILE).read_text().splitlines()

@@ -14,8 +14,10 @@ For one haystack tier (`small`, `medium` or a JSON file) and one memory module:
    already holds: an interrupted run resumes), then `OUT/aggregated_metrics.json` (eval/lme/metrics.py).
 
 On a data set from `memexrl lme synth` (its `synth_evidence.json` names the planted answer strings), each
-row also gets `evidence_in_context` (every planted string of the question is in the context the reader
-got) and the aggregate `evidence_recall`: a diagnostic of ours, not the benchmark's, that compares memory
+row also gets `evidence_share` (the share of the question's planted strings found, as whole words, in the
+context the reader got: the reading env's R_task, rewards/reading.py) and `evidence_in_context` (all of
+them), and the aggregates `evidence_recall` (the share of questions with all of them) and
+`evidence_string_recall` (the mean share): diagnostics of ours, not the benchmark's, that compare memory
 modules when the reader is too weak to answer (SmolLM2 on a CPU).
 
 The reader's budget is 200,000 tokens of its tokenizer (the benchmark's); a local reader's own
@@ -124,13 +126,14 @@ def evidence_strings(root: Path) -> dict[str, list[str]]:
     return {qid: [needle[-1] for needle in e.get("needles", [])] for qid, e in json.loads(path.read_text()).items()}
 
 
-def evidence_in_context(row: dict, strings: list[str]) -> bool | None:
-    """Whether every planted string is in the text the reader got, as a whole word or phrase (the reading
+def evidence_share(row: dict, strings: list[str]) -> float | None:
+    """The share of the planted strings in the text the reader got, each as a whole word or phrase (the reading
     reward's test, rewards/reading.py; None: nothing planted for this question)."""
     if not strings:
         return None
     text = "\n".join(i["value"] for i in row["memory_context"] if i["type"] == "text")
-    return all(evidence_found(text, strings))
+    found = evidence_found(text, strings)
+    return sum(found) / len(found)
 
 
 def done_rows(path: Path) -> dict[str, dict]:
@@ -177,7 +180,9 @@ def run_lme_eval(run: LMERun) -> dict:
             try:
                 for q in tqdm(todo, desc=f"questions ({run.memory}, {key})", unit="q"):
                     rows[q.id] = answer_question(run, memory, q, index[q.id], ids)
-                    rows[q.id]["evidence_in_context"] = evidence_in_context(rows[q.id], planted.get(q.id, []))
+                    share = evidence_share(rows[q.id], planted.get(q.id, []))
+                    rows[q.id]["evidence_share"] = share
+                    rows[q.id]["evidence_in_context"] = None if share is None else share == 1.0
                     f.write(json.dumps(rows[q.id]) + "\n")
                     f.flush()
             finally:
@@ -187,5 +192,8 @@ def run_lme_eval(run: LMERun) -> dict:
     checked = [c for c in (rows[q.id].get("evidence_in_context") for q in questions) if c is not None]
     if checked:  # synthetic data only (see the module docstring)
         result["evidence_recall"] = sum(checked) / len(checked)
+    shares = [c for c in (rows[q.id].get("evidence_share") for q in questions) if c is not None]
+    if shares:  # rows of a run from before evidence_share have none
+        result["evidence_string_recall"] = sum(shares) / len(shares)
     (run.out / AGGREGATED_FILE).write_text(json.dumps(result, indent=2) + "\n")
     return result
