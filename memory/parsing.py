@@ -118,10 +118,14 @@ TOOL_SCHEMAS: list[dict[str, Any]] = [
 CALL_EXAMPLE = '<tool_call>{"name": "execute_action", "arguments": {"action": "look"}}</tool_call>'
 # A format error shows the form of the tool the broken call names (else CALL_EXAMPLE): a cut or invalid
 # CompressExperience call is answered with a CompressExperience call's shape, not with `look`.
+# The placeholder content of the CompressExperience example: a call that archives it verbatim is a tool error
+# (memory/tools.py), not an accepted compression of nothing (a weak policy copied the hint after a format error).
+EXAMPLE_CONTENT = "exact text"
 CALL_EXAMPLES = {
     EXECUTE_ACTION: CALL_EXAMPLE,
     COMPRESS: ('<tool_call>{"name": "CompressExperience", "arguments": {"summary": "Progress ... Index map:\\n'
-               '- facts: what it holds", "db_blocks": [{"db_index": "facts", "db_content": "exact text"}]}}</tool_call>'),
+               '- facts: what it holds", "db_blocks": [{"db_index": "facts", "db_content": "' + EXAMPLE_CONTENT
+               + '"}]}}</tool_call>'),
     READ: '<tool_call>{"name": "ReadExperience", "arguments": {"db_index": "facts"}}</tool_call>',
     FINISH: '<tool_call>{"name": "finish", "arguments": {"success": true}}</tool_call>',
 }

@@ -12,7 +12,7 @@ from typing import Any
 
 from memory.anchors import extract_span, fill_content
 from memory.context import ChatRenderer, WorkingContext
-from memory.parsing import decode_json, quote
+from memory.parsing import EXAMPLE_CONTENT, decode_json, quote
 from memory.store import BlockWrite, ExperienceStore, is_valid_index
 
 SUMMARY_HEADER = "=== SUMMARY OF YOUR PREVIOUS CONTEXT ==="
@@ -80,6 +80,9 @@ def _blocks_from_arguments(raw: Any, context_text: str | list[str], summary: str
             return f"block {quote(index)}: db_content must be a string"
         if content and not content.strip():  # the release rejects it too: nothing to archive
             return f"block {quote(index)}: db_content is only whitespace; archive the evidence itself"
+        if content and content.strip() == EXAMPLE_CONTENT:  # the format hint's placeholder, copied
+            return (f"block {quote(index)}: db_content is the format example's placeholder {quote(EXAMPLE_CONTENT)}; "
+                    "archive the evidence itself, copied from the context")
         given = [a for a in _ANCHORS if block.get(a) not in (None, "")]
         blank = [a for a in given if isinstance(block[a], str) and not block[a].strip()]
         if blank:  # a whitespace anchor matches any gap and would store a single space (the release rejects it)

@@ -150,6 +150,9 @@ def test_standard_mode_switches_show_admissible(cfg, smol_tokenizer):
          False),  # the release rejects it; it was stored
         ({"summary": "s", "db_blocks": [{"db_index": "a", "start_anchor": " ", "mid_anchor": " ", "end_anchor": " "}]},
          "start_anchor, mid_anchor, end_anchor must not be only whitespace", False),  # stored one space before
+        ({"summary": "Progress ... Index map:\n- facts: what it holds",
+          "db_blocks": [{"db_index": "facts", "db_content": "exact text"}]},
+         "the format example's placeholder", False),  # the hint copied after a format error: it archived 'exact text'
     ],
 )
 def test_compress_validation_errors_change_nothing(cfg, smol_tokenizer, arguments, fragment, is_format_error):
