@@ -100,6 +100,9 @@ def test_reads_are_bounded_and_a_bad_index_reads_nothing(tmp_path, smol_tokenize
     memory.insert(TRAJ)
     items = memory.query("currency?")
     assert [i["value"].split("]")[0] for i in items] == ["[t0000-facts"]  # the same block once, the miss not at all
+    logged = [json.loads(line) for line in (tmp_path / "query_episodes.jsonl").read_text().splitlines()]
+    assert [(q["question"], q["read"]) for q in logged] == [("currency?", ["t0000-facts"])]
+    assert [s["arguments"]["db_index"] for s in logged[0]["steps"]] == ["nope"] + ["t0000-facts"] * 3  # max_reads + 2 turns
     memory.close()
 
 

@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 STORE_FILE = "memex_store.sqlite"
 EPISODES_FILE = "insert_episodes.jsonl"  # the reading episodes (trajectory JSON), one line per trajectory
+QUERY_EPISODES_FILE = "query_episodes.jsonl"  # the question episodes (trajectory JSON), one line per query
 TAIL_STEPS = 3  # turns after the last chunk to archive and finish
 BLOCKS, META = "lme", "lme-meta"  # store namespaces: the archived blocks; the inserted trajectory ids
 READ_DONE = "The trajectory is read: its archive is kept for the questions."
@@ -205,6 +206,8 @@ class MemexMemory(Memory):
                 if key not in read:
                     read.append(key)
         engine.release(episode.id)
+        with (self.dir / QUERY_EPISODES_FILE).open("a") as log_file:  # what the policy did, for inspection
+            log_file.write(json.dumps({"question": question, "read": read, **episode.traj.to_json()}) + "\n")
         return [{"type": "text", "value": f"[{k}] {self.store.read(k).description}\n{self.store.read(k).content}"}
                 for k in read]
 
