@@ -208,7 +208,7 @@ class SFTSection:
     eval_steps: int = _help("Validation loss every N steps (0: only at the end).", 0)
     gradient_checkpointing: bool = _help("Trade compute for memory (large models on GPUs).", False)
     bf16: bool = _help(
-        "bfloat16 mixed precision (autocast): GPUs, and CPUs with native bfloat16 (AVX-512 BF16 or AMX: ~1.75x "
+        "bfloat16 mixed precision (autocast): GPUs, and CPUs with native bfloat16 (AVX-512 BF16 or AMX: ~1.4x "
         "faster than float32 there; elsewhere an error, the CPU then trains in float32).", False)
     deepspeed: str = _help("DeepSpeed JSON config path for multi-GPU runs (configs/deepspeed/).", "")
     wandb: bool = _help("Log to wandb (offline in RUN/wandb unless you are logged in).", True)

@@ -89,7 +89,7 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bfloat16 matmuls natively (AVX-512 BF16 or AMX, through oneDNN).
 
-    Where it does, bfloat16 autocast trains ~1.75x faster than float32 (docs/benchmarks.md, SFT row); where it
+    Where it does, bfloat16 autocast trains ~1.4x faster than float32 (docs/benchmarks.md, SFT row); where it
     does not (AVX2 only), oneDNN emulates bfloat16 and it runs several times slower than float32.
     """
     try:
