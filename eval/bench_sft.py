@@ -18,8 +18,7 @@ import time
 from dataclasses import dataclass
 
 from common.config import load_config
-
-DEFAULT_CONFIG = "configs/tiny-cpu.yaml"
+from eval.bench_trainer import DEFAULT_CONFIG
 
 
 @dataclass

@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--games", type=positive_int, default=4, help="games for env/rollout benches")
     ben.add_argument("--steps", type=positive_int, default=200, help="env steps per worker count (bench env)")
     ben.add_argument("--blocks", type=positive_int, default=2000, help="blocks written (bench store)")
-    ben.add_argument("--config", default=None, help="YAML config (bench rollout; trainer, update: configs/tiny-cpu.yaml)")
+    ben.add_argument("--config", default=None, help="YAML config (bench rollout; trainer, sft, update: configs/tiny-cpu.yaml)")
     ben.add_argument("--runs", type=positive_int, default=3, help="timed runs of each side (bench trainer, sft)")
     ben.add_argument("--bench-steps", type=positive_int, default=2, help="GRPO steps per run (bench trainer, update)")
     ben.add_argument("--prompts", type=positive_int, default=2, help="prompts per step (bench trainer)")

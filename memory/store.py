@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -108,6 +109,7 @@ def _bm25s():
     return bm25s
 
 
+@functools.cache
 def _stopwords() -> frozenset[str]:
     _bm25s()
     from bm25s.stopwords import STOPWORDS_EN

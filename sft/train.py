@@ -107,13 +107,13 @@ def run_sft(cfg: Config, resume: bool = False) -> Path:
     else:
         start = None
         prepare_run_dir(cfg, run_dir)
+    on_cpu = resolve_device(cfg.model.device).type == "cpu"
+    if on_cpu and s.bf16 and not cpu_has_native_bf16():  # before the data and the model are loaded
+        raise MemexError("sft.bf16=true on the CPU needs native bfloat16 (AVX-512 BF16 or AMX), which this CPU "
+                         "lacks (it would run slower than float32): set sft.bf16=false")
     seed_everything(cfg.seed)
     data = build_dataset(s.demos, s.validation_fraction, s.max_length, s.task_types)
     model, tokenizer = load_policy(cfg.model, for_training=True)
-    on_cpu = resolve_device(cfg.model.device).type == "cpu"
-    if on_cpu and s.bf16 and not cpu_has_native_bf16():
-        raise MemexError("sft.bf16=true on the CPU needs native bfloat16 (AVX-512 BF16 or AMX), which this CPU "
-                         "lacks (it would run slower than float32): set sft.bf16=false")
     peft_config = lora_config(model, s.lora_r, s.lora_alpha, s.lora_dropout, s.lora_target_modules) if s.lora else None
     has_val = "validation" in data
     args = SFTConfig(
