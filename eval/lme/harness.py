@@ -83,12 +83,16 @@ def build_memory(run: LMERun, data: LMEData, trajectory_ids: list[str], state_di
         log.info("loading the %s memory saved in %s", run.memory, state_dir)
         return load_memory(run.memory, state_dir, run.options)
     memory = make_memory(run.memory, run.options)
-    for tid in tqdm(trajectory_ids, desc=f"insert ({run.memory})", unit="traj"):
-        memory.insert(data.trajectories[tid])
-    memory.flush()  # queued work (embeddings) now, so that query latency is query() alone
-    if state_dir is not None:
-        memory.save(state_dir)
-        (state_dir / "DONE").write_text(json.dumps({"trajectories": len(trajectory_ids)}))
+    try:
+        for tid in tqdm(trajectory_ids, desc=f"insert ({run.memory})", unit="traj"):
+            memory.insert(data.trajectories[tid])
+        memory.flush()  # queued work (embeddings) now, so that query latency is query() alone
+        if state_dir is not None:
+            memory.save(state_dir)
+            (state_dir / "DONE").write_text(json.dumps({"trajectories": len(trajectory_ids)}))
+    except BaseException:  # what the memory holds open (a database, a managed vLLM server) closes with the run
+        memory.close()
+        raise
     return memory
 
 

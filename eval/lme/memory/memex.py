@@ -16,8 +16,8 @@ Query: the question phase of the reading env: a fresh context holding the questi
 prompt); the agent reads at most `max_reads` blocks with ReadExperience (the episode ends at finish, at the
 read budget, or at the step limit). The blocks it read, in reading order, are the memory context. Any
 checkpoint can be the controller (a reading-trained one, the ALFWorld GRPO one, a base model):
-`extra["checkpoint"]`, run by the engine of `extra["config"]` (memexrl Config: transformers or vLLM,
-eval.temperature), or `extra["engine"]`, an (engine, tokenizer) pair built by the caller. Other settings
+`extra["checkpoint"]`, run by the engine of `extra["config"]` (memexrl Config: transformers or vLLM, a managed
+vLLM server included, eval.temperature: eval/engine.py), or `extra["engine"]`, an (engine, tokenizer) pair built by the caller. Other settings
 (`--set key=value`): states_per_chunk (2), state_max_chars (2000), max_reads (3), shortlist (12),
 insert_batch (rollout.batch_size: trajectories read together, one batched engine call per turn), workdir.
 
@@ -27,6 +27,7 @@ reopens it, so insert -> close -> reopen -> query gives the same context (greedy
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -103,6 +104,7 @@ class MemexMemory(Memory):
         self.store = SQLiteStore(self.dir / STORE_FILE, BLOCKS)
         self.meta = SQLiteStore(self.dir / STORE_FILE, META)
         self._engine = None
+        self._resources = contextlib.ExitStack()  # a managed vLLM server (rollout.vllm_server_url=managed) until close
         self._pending: list[dict] = []  # inserted, not read yet (flush reads them in one batch)
         self.batch = int(x.get("insert_batch", self.cfg.rollout.batch_size))
         self.spec = AgentSpec("memex-reader")  # the memex agent; its episodes say they are reading tasks
@@ -110,11 +112,11 @@ class MemexMemory(Memory):
     # --- the policy -------------------------------------------------------------------------------
     def _engine_and_renderer(self):
         if self._engine is None:
-            from eval.alfworld import make_eval_engine
+            from eval.engine import make_eval_engine
             from rollout.runner import make_renderer
 
             given = self.options.extra.get("engine")  # (engine, tokenizer) already built, e.g. a ScriptedEngine
-            engine, tokenizer = given or make_eval_engine(self.cfg, self.checkpoint, self.dir)
+            engine, tokenizer = given or make_eval_engine(self.cfg, self.checkpoint, self.dir, self._resources)
             self._engine = (engine, make_renderer(tokenizer, self.cfg, self.spec))
         return self._engine
 
@@ -159,11 +161,12 @@ class MemexMemory(Memory):
             self.flush()
 
     def flush(self) -> None:
-        if not self._pending:
+        pending, self._pending = self._pending, []  # a batch that fails is not read again (by close)
+        if not pending:
             return
         ids = self.inserted()
         games, scratches = [], []
-        for n, trajectory in enumerate(self._pending):
+        for n, trajectory in enumerate(pending):
             prefix = f"t{len(ids) + n:04d}"
             pager = InsertPager(insert_task(trajectory, self.per_chunk, self.max_chars, self.max_reads, self.shortlist))
             scratches.append(InMemoryStore())
@@ -171,15 +174,14 @@ class MemexMemory(Memory):
             games.append((episode, pager))
         self._play(games)
         with (self.dir / EPISODES_FILE).open("a") as log_file:
-            for n, (trajectory, (episode, _), scratch) in enumerate(zip(self._pending, games, scratches)):
+            for n, (trajectory, (episode, _), scratch) in enumerate(zip(pending, games, scratches)):
                 self._archive(f"t{len(ids) + n:04d}", trajectory, scratch, len(ids) + n)
                 # what the policy did, for inspection
                 log_file.write(json.dumps({"trajectory_id": trajectory["id"], **episode.traj.to_json()}) + "\n")
                 log.info("memex insert t%04d (%s): %d steps, %d blocks archived", len(ids) + n, trajectory["id"],
                          len(episode.traj.steps), len(scratch))
-        ids += [t["id"] for t in self._pending]
+        ids += [t["id"] for t in pending]
         self.meta.write_many([BlockWrite("inserted", json.dumps(ids), "explicit")], step=0)
-        self._pending = []
 
     def _archive(self, prefix: str, trajectory: dict, scratch: InMemoryStore, ordinal: int) -> None:
         """The blocks the policy archived while reading one trajectory, into the durable store under its prefix."""
@@ -228,6 +230,9 @@ class MemexMemory(Memory):
         return cls(options, store_dir=Path(directory))
 
     def close(self) -> None:
-        self.flush()
-        self.store.close()
-        self.meta.close()
+        try:
+            self.flush()
+        finally:
+            self.store.close()
+            self.meta.close()
+            self._resources.close()
