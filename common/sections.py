@@ -324,7 +324,9 @@ class TrainSection:
         "training; straight-through gradients), same RTN group-128 scheme as `memexrl quantize`; 0: off.",
         0,
     )
-    mixed_precision: str = _help("accelerate mixed precision: 'no' (CPU) or 'bf16'.", "no")
+    mixed_precision: str = _help(
+        "accelerate mixed precision of the update: 'no' or 'bf16' (GPUs; CPUs with native bfloat16, AVX-512 BF16 or "
+        "AMX: memexrl bench update measures it there).", "no")
     save_steps: int = _help("Checkpoint every N rollout steps (the last step is always saved).", 10)
     wandb: bool = _help("Log to wandb (offline in RUN/wandb unless you are logged in).", True)
     log_trajectories: int = _help("Trajectories per step shown in the wandb table.", 4)

@@ -10,7 +10,10 @@ process so that each starts from an untouched allocator:
 - before: glibc's adaptive mmap threshold, the whole output layer at once (`head_chunk_size 0`);
 - malloc: the threshold fixed at 1 MiB (common/malloc.py), the whole output layer;
 - both: the threshold fixed and the output layer in slices of `train.head_chunk_size` positions
-  (`batching.sequence_logprobs`): what `memexrl train` runs.
+  (`batching.sequence_logprobs`): what `memexrl train` runs;
+- both bf16: the same under `train.mixed_precision=bf16` (accelerate's bfloat16 autocast of the forward), on a CPU
+  with native bfloat16 only (AVX-512 BF16 or AMX; modeling/load.cpu_has_native_bf16): its time ratio is what the
+  setting buys a CPU run's update.
 
 Each reports its peak resident memory (the child's `ru_maxrss`), the resident memory left after
 the last step, and the seconds of its steps; the ratios are against "before". The token ids are
@@ -28,10 +31,11 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-VARIANTS = {  # name: (fix glibc's threshold, head_chunk_size from the config or 0)
-    "before": (False, False),
-    "malloc": (True, False),
-    "both": (True, True),
+VARIANTS = {  # name: (fix glibc's threshold, head_chunk_size from the config or 0, accelerate mixed precision)
+    "before": (False, False, "no"),
+    "malloc": (True, False, "no"),
+    "both": (True, True, "no"),
+    "both bf16": (True, True, "bf16"),  # only on a CPU with native bfloat16 (bench_update skips it elsewhere)
 }
 
 
@@ -70,7 +74,7 @@ def child(spec: dict) -> dict:
     cfg = replace(cfg, model=replace(cfg.model, device="cpu"),
                   train=replace(cfg.train, init_checkpoint="", head_chunk_size=chunk))
     t = cfg.train
-    acc = Accelerator(cpu=True, mixed_precision="no")
+    acc = Accelerator(cpu=True, mixed_precision=spec.get("mixed_precision", "no"))
     policy = load_policy_for_grpo(cfg)
     optimizer, scheduler = make_optimizer(policy, cfg)
     model, optimizer = acc.prepare(policy.model, optimizer)
@@ -94,11 +98,14 @@ def child(spec: dict) -> dict:
 def bench_update(config: str | None, overrides: list[str], tokens: int, steps: int) -> list[UpdateRun]:
     """Run every variant in its own process, one after the other."""
     from eval.bench_trainer import DEFAULT_CONFIG
+    from modeling.load import cpu_has_native_bf16
 
     runs = []
-    for name, (fix_malloc, chunk_head) in VARIANTS.items():
+    for name, (fix_malloc, chunk_head, mixed_precision) in VARIANTS.items():
+        if mixed_precision == "bf16" and not cpu_has_native_bf16():
+            continue
         spec = {"config": config or DEFAULT_CONFIG, "overrides": overrides, "tokens": tokens, "steps": steps,
-                "fix_malloc": fix_malloc, "chunk_head": chunk_head}
+                "fix_malloc": fix_malloc, "chunk_head": chunk_head, "mixed_precision": mixed_precision}
         env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
         done = subprocess.run([sys.executable, "-m", "eval.bench_update", json.dumps(spec)], capture_output=True,
                               text=True, env={**env, "OMP_NUM_THREADS": "1"})
@@ -123,5 +130,5 @@ def format_bench_update(runs: list[UpdateRun], tokens: int, batch: int) -> str:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="one variant of `memexrl bench update` (run by it)")
-    parser.add_argument("spec", help="JSON: config, overrides, tokens, steps, fix_malloc, chunk_head")
+    parser.add_argument("spec", help="JSON: config, overrides, tokens, steps, fix_malloc, chunk_head, mixed_precision")
     print(json.dumps(child(json.loads(parser.parse_args().spec))))

@@ -1,4 +1,5 @@
-"""`memexrl bench update` end to end on the tiny random MoE: three variants, each in its own process."""
+"""`memexrl bench update` end to end on the tiny random MoE: three variants (four on a CPU with native bfloat16),
+each in its own process."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ def test_bench_update_reports_every_variant(capsys):
                  "--bench-steps", "1"]) == 0
     out = capsys.readouterr().out
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "GB" not in line]
-    assert [r[0].strip() for r in rows] == ["before", "malloc", "both"]
+    from modeling.load import cpu_has_native_bf16
+
+    assert [r[0].strip() for r in rows] == ["before", "malloc", "both"] + ["both bf16"] * cpu_has_native_bf16()
     assert "2 x 48 tokens" in out  # tiny-cpu's micro-batch of 2 segments
     assert rows[0][4].strip() == "1.00x" and rows[0][5].strip() == "1.00x"
     for r in rows:
