@@ -84,10 +84,16 @@ def test_eval_lme_runs_scores_and_resumes(dataset, tmp_path, capsys):
     assert again[:2] == rows[:2]
 
 
-def test_bad_input_is_one_clear_line(dataset, tmp_path, capsys):
+def test_bad_input_is_one_clear_line(dataset, tmp_path, capsys, caplog):
     assert main(["eval", "lme", "--data", str(tmp_path / "missing"), "--haystack", "small", "--memory", "none",
                  "--out", str(tmp_path / "o")]) == 2
     assert "memexrl lme synth" in capsys.readouterr().err
     assert main(["eval", "lme", "--data", str(dataset), "--haystack", "small", "--memory", "nope",
                  "--out", str(tmp_path / "o")]) == 2
     assert "unknown memory module 'nope'" in capsys.readouterr().err
+    # a memex controller's bad config stops before the reader and the judge load (no "loaded" log line)
+    caplog.set_level("INFO")
+    assert main(["eval", "lme", "--data", str(dataset), "--haystack", "small", "--memory", "memex",
+                 "--out", str(tmp_path / "o"), "rollout.temperature=-1"]) == 2
+    captured = capsys.readouterr()
+    assert "rollout.temperature" in captured.err and "loaded" not in caplog.text

@@ -60,9 +60,10 @@ def module_settings(items: list[str], where: str) -> dict:
     return settings
 
 
-def memory_options(args: argparse.Namespace, reader):
+def memory_options(args: argparse.Namespace, reader, config=None):
     """MemoryOptions from the flags: the notes/controller LLM (default: the reader), the embedder, the
-    memex controller's checkpoint and config, `--set key=value` module settings."""
+    memex controller's checkpoint and config (`config`: loaded already, else from --config and the overrides),
+    `--set key=value` module settings."""
     from common.config import load_config
     from eval.lme.memory.base import MemoryOptions
 
@@ -70,7 +71,7 @@ def memory_options(args: argparse.Namespace, reader):
                 args.local_max_new_tokens, args.api_key) if args.memory_llm else reader
     extra = module_settings(args.set or [], "--set")
     if args.memory == "memex":
-        extra.setdefault("config", load_config(args.config, list(args.overrides)))
+        extra.setdefault("config", config or load_config(args.config, list(args.overrides)))
         extra.setdefault("checkpoint", args.checkpoint or extra["config"].eval.checkpoint)
     options = MemoryOptions(root=Path(args.data), llm=llm, controller=llm, extra=extra, api_key=args.api_key)
     if args.embedder:
@@ -79,6 +80,7 @@ def memory_options(args: argparse.Namespace, reader):
 
 
 def cmd_eval_lme(args: argparse.Namespace) -> None:
+    from common.config import load_config
     from eval.lme.data import load_lme
     from eval.lme.harness import LMERun, run_lme_eval
     from eval.lme.llm import JUDGE_SAMPLING, READER_SAMPLING, LocalChat
@@ -87,6 +89,7 @@ def cmd_eval_lme(args: argparse.Namespace) -> None:
 
     memory_class(args.memory)  # bad input stops here, before any model loads
     load_lme(args.data).haystack(args.haystack)
+    config = load_config(args.config, list(args.overrides)) if args.memory == "memex" else None  # a bad config too
     local = args.reader.startswith("local")
     max_new = args.reader_max_tokens or (args.local_max_new_tokens if local else READER_SAMPLING["max_tokens"])
     reader = _chat(args.reader, args.reader_model, {**READER_SAMPLING, "max_tokens": max_new}, max_new, args.api_key)
@@ -99,7 +102,7 @@ def cmd_eval_lme(args: argparse.Namespace) -> None:
     out = Path(args.out or f"runs/lme-{args.memory}-{Path(args.haystack).stem}")
     args.out = str(out)
     run = LMERun(Path(args.data), args.haystack, args.memory, out, reader, judge, counter,
-                 args.max_context_tokens, args.questions, memory_options(args, reader))
+                 args.max_context_tokens, args.questions, memory_options(args, reader, config))
     result = run_lme_eval(run)
     q, overall = result["memory_query"], result["overall"]
     print(f"LME-V2 {args.haystack} / {args.memory}: accuracy {100 * (overall['overall_full_set'] or 0):.1f}% "
