@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 RESULT_FILE, EPISODES_FILE = "eval_alfworld.json", "episodes.jsonl"
 PARTIAL_FILE = "partial.json"  # the finished rounds of an evaluation still playing or interrupted
+LATER_SETTINGS = ("engine",)  # recorded since 62cd7f1: a partial evaluation from before continues without the check
 
 
 def _mean(values) -> float:
@@ -170,7 +171,7 @@ def load_partial(out: Path, setting: dict) -> tuple[list[list[dict]], float]:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
         raise MemexError(f"{path} is not a partial evaluation this version wrote ({type(exc).__name__}: {exc}): "
                          f"delete it to start the evaluation over") from None
-    changed = [k for k in setting if old.get(k) != setting[k]]
+    changed = [k for k in setting if (k in old or k not in LATER_SETTINGS) and old.get(k) != setting[k]]
     if changed:
         raise MemexError(f"{out} holds a partial evaluation of another setting ({changed[0]}: {old.get(changed[0])!r}, "
                          f"now {setting[changed[0]]!r}): use another --out, or delete {path} to start over")

@@ -160,6 +160,11 @@ def test_an_interrupted_sampled_evaluation_continues_with_the_episodes_of_an_uni
     assert main([*args[:-1], "seed=6", "--out", str(out)]) == 2
     assert "partial evaluation of another setting (seed: 5, now 6)" in capsys.readouterr().err
     assert (out / "partial.json").exists()
+    assert main([*args, "rollout.dtype=bfloat16", "--out", str(out)]) == 2  # another engine precision too
+    assert "(engine: 'transformers float32', now 'transformers bfloat16')" in capsys.readouterr().err
+    partial = json.loads((out / "partial.json").read_text())  # a partial file from before the engine was recorded
+    del partial["setting"]["engine"]
+    (out / "partial.json").write_text(json.dumps(partial))
     assert main([*args, "--out", str(out)]) == 0, capsys.readouterr().err
     assert len(calls) == 4  # rounds 2 and 3 only: round 1 was not played again
     assert (out / "episodes.jsonl").read_text() == whole  # the episodes of the uninterrupted run
