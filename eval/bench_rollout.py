@@ -101,15 +101,14 @@ def _vllm_server_run(games: list[Path], cfg: Config, model, tokenizer, python: s
     import tempfile
 
     from rollout.vllm import make_vllm_engine
-    from rollout.vllm_server import ManagedServer, free_port, serve_command
+    from rollout.vllm_server import ManagedServer
 
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        port = free_port()
         window = min(cfg.rollout.max_context_tokens, getattr(model.config, "max_position_embeddings", 8192))
-        cmd = serve_command(python, tmp, port, dtype=dtype, max_model_len=window, lora_rank=0)
-        with ManagedServer(cmd, port, Path(tmp) / "vllm-serve.log") as server:
+        with ManagedServer.serving(python, tmp, Path(tmp) / "vllm-serve.log", dtype=dtype, max_model_len=window,
+                                   lora_rank=0) as server:
             engine = make_vllm_engine(model_dir=tmp, tokenizer=tokenizer, sampling=cfg.rollout, seed=cfg.seed,
                                       dtype=dtype, server_url=server.url)
             return _play(games, cfg, model, tokenizer, engine=engine)

@@ -74,7 +74,7 @@ def child(spec: dict) -> dict:
     cfg = replace(cfg, model=replace(cfg.model, device="cpu"),
                   train=replace(cfg.train, init_checkpoint="", head_chunk_size=chunk))
     t = cfg.train
-    acc = Accelerator(cpu=True, mixed_precision=spec.get("mixed_precision", "no"))
+    acc = Accelerator(cpu=True, mixed_precision=spec["mixed_precision"])
     policy = load_policy_for_grpo(cfg)
     optimizer, scheduler = make_optimizer(policy, cfg)
     model, optimizer = acc.prepare(policy.model, optimizer)

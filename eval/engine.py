@@ -54,15 +54,14 @@ def make_eval_engine(cfg: Config, checkpoint: str, out: Path, resources: context
         tokenizer.save_pretrained(model_dir)
     dtype, server_url, push = engine_dtype(cfg), r.vllm_server_url or None, None
     if server_url == "managed":
-        from rollout.vllm_server import ManagedServer, free_port, serve_command
+        from rollout.vllm_server import ManagedServer
 
         if resources is None:
             raise MemexError("rollout.vllm_server_url=managed needs a caller that owns the server's lifetime")
-        port = free_port()
-        cmd = serve_command(r.vllm_server_python, str(model_dir), port, dtype=dtype,
-                            max_model_len=r.max_context_tokens, lora_rank=0)
-        server_url = resources.enter_context(ManagedServer(cmd, port, out / "vllm-serve.log",
-                                                           r.vllm_server_startup_s)).url
+        server = ManagedServer.serving(r.vllm_server_python, str(model_dir), out / "vllm-serve.log", dtype=dtype,
+                                       max_model_len=r.max_context_tokens, lora_rank=0,
+                                       startup_s=r.vllm_server_startup_s)
+        server_url = resources.enter_context(server).url
     elif server_url:  # a running server: it serves rollout.vllm_model; the checkpoint's weights go to it
         model_dir, push = r.vllm_model or model_dir, model
     engine = make_vllm_engine(model_dir=str(model_dir), tokenizer=tokenizer, sampling=r, seed=cfg.seed, dtype=dtype,

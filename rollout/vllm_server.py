@@ -59,6 +59,14 @@ class ManagedServer:
         except OSError:
             return "(no log)"
 
+    @classmethod
+    def serving(cls, python: str, model: str, log_file: str | Path, *, dtype: str, max_model_len: int,
+                lora_rank: int, startup_s: float = 900.0) -> ManagedServer:
+        """A server of `model` on a free local port, from `python` (`serve_command`); it starts when entered."""
+        port = free_port()
+        cmd = serve_command(python, model, port, dtype=dtype, max_model_len=max_model_len, lora_rank=lora_rank)
+        return cls(cmd, port, log_file, startup_s)
+
     def __enter__(self) -> ManagedServer:
         if not Path(self.cmd[0]).exists() and os.sep in self.cmd[0]:
             raise MemexError(f"rollout.vllm_server_python {self.cmd[0]} does not exist: build it with "

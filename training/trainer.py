@@ -107,15 +107,15 @@ def make_engine(policy: Policy, cfg: Config, accelerator=None, resources: contex
     lora_rank = cfg.train.lora_r if policy.uses_adapter else 0
     server_url = r.vllm_server_url or None
     if server_url == "managed":
-        from rollout.vllm_server import ManagedServer, free_port, serve_command
+        from rollout.vllm_server import ManagedServer
 
         if resources is None:
             raise MemexError("rollout.vllm_server_url=managed needs a trainer to own the server's lifetime")
-        port = free_port()
-        cmd = serve_command(r.vllm_server_python, str(model_dir), port, dtype=dtype,
-                            max_model_len=r.max_context_tokens, lora_rank=lora_rank)
         log_file = Path(cfg.train.output_dir) / f"vllm-serve-{Ranks.of(accelerator).rank if accelerator else 0}.log"
-        server_url = resources.enter_context(ManagedServer(cmd, port, log_file, r.vllm_server_startup_s)).url
+        server = ManagedServer.serving(r.vllm_server_python, str(model_dir), log_file, dtype=dtype,
+                                       max_model_len=r.max_context_tokens, lora_rank=lora_rank,
+                                       startup_s=r.vllm_server_startup_s)
+        server_url = resources.enter_context(server).url
     engine = make_vllm_engine(
         model_dir=model_dir, tokenizer=policy.tokenizer, sampling=r, seed=cfg.seed, dtype=dtype,
         server_url=server_url, lora_rank=lora_rank,

@@ -60,18 +60,17 @@ def module_settings(items: list[str], where: str) -> dict:
     return settings
 
 
-def memory_options(args: argparse.Namespace, reader, config=None):
+def memory_options(args: argparse.Namespace, reader, config):
     """MemoryOptions from the flags: the notes/controller LLM (default: the reader), the embedder, the
-    memex controller's checkpoint and config (`config`: loaded already, else from --config and the overrides),
-    `--set key=value` module settings."""
-    from common.config import load_config
+    memex controller's checkpoint and `config` (loaded from --config and the overrides by the caller, before the
+    reader), `--set key=value` module settings."""
     from eval.lme.memory.base import MemoryOptions
 
     llm = _chat(args.memory_llm, args.memory_llm_model, {"temperature": 0.0, "max_tokens": 1024, "thinking": False},
                 args.local_max_new_tokens, args.api_key) if args.memory_llm else reader
     extra = module_settings(args.set or [], "--set")
     if args.memory == "memex":
-        extra.setdefault("config", config or load_config(args.config, list(args.overrides)))
+        extra.setdefault("config", config)
         extra.setdefault("checkpoint", args.checkpoint or extra["config"].eval.checkpoint)
     options = MemoryOptions(root=Path(args.data), llm=llm, controller=llm, extra=extra, api_key=args.api_key)
     if args.embedder:
