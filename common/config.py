@@ -51,6 +51,11 @@ class Config:
     eval: EvalSection = field(default_factory=EvalSection)
     demo: DemoSection = field(default_factory=DemoSection)
 
+    @property
+    def engine_dtype(self) -> str:
+        """The dtype rollouts and evaluations generate in: rollout.dtype, or model.dtype when it is auto."""
+        return self.model.dtype if self.rollout.dtype == "auto" else self.rollout.dtype
+
     def __post_init__(self) -> None:
         for message in _number_problems(self):
             raise MemexError(f"bad config: {message}")

@@ -95,7 +95,7 @@ def evaluate(cfg: Config, progress: bool = True) -> dict:
     sampler reseeded with `seed + round` at each: a finished round is saved (OUT/partial.json), and the
     same command run again after an interruption continues with the next round, with the episodes an
     uninterrupted run would have played."""
-    from eval.engine import engine_dtype, make_eval_engine
+    from eval.engine import make_eval_engine
     from training.policy import resolve_checkpoint
 
     e = cfg.eval
@@ -105,7 +105,7 @@ def evaluate(cfg: Config, progress: bool = True) -> dict:
     checkpoint = resolve_checkpoint(e.checkpoint or cfg.model.name, "eval.checkpoint")
     setting = {"checkpoint": checkpoint, "agent": e.agent, "games": [str(g) for g in games],
                "temperature": e.temperature, "seed": cfg.seed, "samples_per_game": e.samples_per_game,
-               "max_steps": cfg.env.max_steps, "engine": f"{cfg.rollout.engine} {engine_dtype(cfg)}"}
+               "max_steps": cfg.env.max_steps, "engine": f"{cfg.rollout.engine} {cfg.engine_dtype}"}
     rounds, earlier_seconds = load_partial(out, setting)  # a partial run of another setting stops here too
     fresh = not out.exists()
     out.mkdir(parents=True, exist_ok=True)

@@ -23,11 +23,6 @@ from common.config import Config
 from common.errors import MemexError
 
 
-def engine_dtype(cfg: Config) -> str:
-    """The dtype the engine generates in: rollout.dtype, or model.dtype when it is auto."""
-    return cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
-
-
 def make_eval_engine(cfg: Config, checkpoint: str, out: Path, resources: contextlib.ExitStack | None = None):
     """(engine, tokenizer) for `checkpoint`, as the module docstring says; `resources` owns a managed server."""
     import torch
@@ -52,7 +47,7 @@ def make_eval_engine(cfg: Config, checkpoint: str, out: Path, resources: context
         model_dir = str(out / "merged")
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
-    dtype, server_url, push = engine_dtype(cfg), r.vllm_server_url or None, None
+    dtype, server_url, push = cfg.engine_dtype, r.vllm_server_url or None, None
     if server_url == "managed":
         from rollout.vllm_server import ManagedServer
 

@@ -44,3 +44,8 @@ def test_overrides_and_round_trip(tmp_path):
 def test_bad_configs_name_the_key(overrides, fragment):
     with pytest.raises(MemexError, match=fragment):
         load_config(None, overrides)
+
+
+def test_engine_dtype_follows_the_model_unless_rollout_sets_one():
+    assert load_config(None, ["model.dtype=float32"]).engine_dtype == "float32"
+    assert load_config(None, ["model.dtype=float32", "rollout.dtype=bfloat16"]).engine_dtype == "bfloat16"

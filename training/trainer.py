@@ -103,7 +103,7 @@ def make_engine(policy: Policy, cfg: Config, accelerator=None, resources: contex
     from rollout.vllm import Ranks, make_vllm_engine
 
     model_dir = r.vllm_model or resolve_model_path(policy.rollout_model_dir, cfg.model.cache_dir)
-    dtype = cfg.model.dtype if r.dtype == "auto" else r.dtype  # vLLM casts the weights it loads and syncs
+    dtype = cfg.engine_dtype  # vLLM casts the weights it loads and syncs
     lora_rank = cfg.train.lora_r if policy.uses_adapter else 0
     server_url = r.vllm_server_url or None
     if server_url == "managed":
