@@ -42,15 +42,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-CONFIG=configs/h200-lora.yaml
+# The reading run of issue 27 (configs/h200-reading.yaml, its header) takes the same steps with:
+#   CONFIG=configs/h200-reading.yaml READING_TASKS=runs/reading/train.txt EXPERT_DIR=runs/reader-demos-qwen3 \
+#   SFT_DIR=runs/sft-h200-reading MERGED_DIR=runs/qwen3-30b-a3b-reading-sft-bf16 \
+#   INT4_DIR=runs/qwen3-30b-a3b-reading-int4 RUN_DIR=runs/h200-reading bash launch/h200-lora.sh [STEP]
+CONFIG=${CONFIG:-configs/h200-lora.yaml}
 ACCEL=configs/accelerate/single.yaml
 BASE_HF=Qwen/Qwen3-30B-A3B-Thinking-2507
 EXPERT_DIR=${EXPERT_DIR:-runs/expert-qwen3}        # = sft.demos's directory in the config
 EXPERT_GAMES=${EXPERT_GAMES:-600}
-SFT_DIR=runs/sft-h200                              # = sft.output_dir and train.init_checkpoint
+READING_TASKS=${READING_TASKS:-}                   # a reading games file: the reader-expert instead of ALFWorld's
+SFT_DIR=${SFT_DIR:-runs/sft-h200}                  # = sft.output_dir and train.init_checkpoint
 MERGED_DIR=${MERGED_DIR:-runs/qwen3-30b-a3b-sft-bf16}
-INT4_DIR=runs/qwen3-30b-a3b-int4                   # = rollout.vllm_model
-RUN_DIR=runs/h200-lora                             # = train.output_dir
+INT4_DIR=${INT4_DIR:-runs/qwen3-30b-a3b-int4}      # = rollout.vllm_model
+RUN_DIR=${RUN_DIR:-runs/h200-lora}                 # = train.output_dir
 PY=${PYTHON:-python}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}       # the env workers are processes; keep torch's CPU threads few
 export WANDB_MODE=${WANDB_MODE:-offline}           # `wandb login` and WANDB_MODE=online for live curves
@@ -72,7 +77,11 @@ run_download() {  # the bf16 base into the HF cache once (61 GB; needs the Hub t
 
 run_expert() {  # Memex expert demonstrations, tokenised with Qwen3's tokenizer (the config's model)
   [[ -f $EXPERT_DIR/demos.jsonl ]] && return
-  $PY -m memexrl expert --split train --games "$EXPERT_GAMES" --out "$EXPERT_DIR" --config "$CONFIG"
+  if [[ -n $READING_TASKS ]]; then
+    $PY -m memexrl expert --reading-tasks "$READING_TASKS" --out "$EXPERT_DIR" --config "$CONFIG"
+  else
+    $PY -m memexrl expert --split train --games "$EXPERT_GAMES" --out "$EXPERT_DIR" --config "$CONFIG"
+  fi
 }
 
 run_sft() {  # LoRA SFT warm start (TRL, bf16, gradient checkpointing), then a post-SFT check on 4 games

@@ -50,7 +50,20 @@ def test_h200_lora_config_is_the_int4_lora_recipe():
     assert cfg.train.tasks_per_step * cfg.train.group_size // cfg.train.global_batch_size == 2
 
 
-@pytest.mark.parametrize("config", ["h200-lora.yaml", "paper-8gpu.yaml", "release.yaml"])
+def test_h200_reading_config_is_the_h200_recipe_on_reading_tasks():
+    """Issue 27's GPU protocol: h200-lora.yaml's model, INT4 path and GRPO settings, on the reading env."""
+    lora, reading = (load_config(REPO / "configs" / name) for name in ("h200-lora.yaml", "h200-reading.yaml"))
+    assert reading.train.env == "reading" and reading.train.reading_tasks and reading.sft.check_games == 0
+    assert reading.model == lora.model and reading.memory == lora.memory and reading.reward == lora.reward
+    same = ("finetune", "fake_quant_group_size", "lora_r", "lora_target_modules", "group_size", "tasks_per_step",
+            "global_batch_size", "clip_low", "clip_high", "tis_cap", "kl_coef", "learning_rate", "mixed_precision")
+    assert {k: getattr(reading.train, k) for k in same} == {k: getattr(lora.train, k) for k in same}
+    assert reading.rollout.vllm_model != lora.rollout.vllm_model  # its own SFT start, quantised
+    script = (REPO / "launch" / "h200-lora.sh").read_text()
+    assert "CONFIG=configs/h200-reading.yaml" in script and "--reading-tasks" in script
+
+
+@pytest.mark.parametrize("config", ["h200-lora.yaml", "h200-reading.yaml", "paper-8gpu.yaml", "release.yaml"])
 def test_train_dry_run(config, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)

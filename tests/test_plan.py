@@ -160,6 +160,7 @@ def test_vllm_needs_room_for_its_weights_and_one_window(capsys):
     code, out, _ = dry_run_of(capsys, "", 141, "rollout.vllm_gpu_memory_utilization=0.1", config="configs/h200-lora.yaml")
     assert code == 2 and "cannot hold its weights and one window of KV (18.6 GiB)" in out
     assert dry_run_of(capsys, "", 141, config="configs/h200-lora.yaml")[0] == 0  # the recipe fits one H200
+    assert dry_run_of(capsys, "", 141, config="configs/h200-reading.yaml")[0] == 0  # and its reading run
 
 
 def test_no_gpu_no_fit_check(capsys):
