@@ -47,7 +47,7 @@ def make_eval_engine(cfg: Config, checkpoint: str, out: Path, resources: context
         model_dir = str(out / "merged")
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
-    dtype, server_url, push = cfg.engine_dtype, r.vllm_server_url or None, None
+    dtype, server_url, push, server_check = cfg.engine_dtype, r.vllm_server_url or None, None, None
     if server_url == "managed":
         from rollout.vllm_server import ManagedServer
 
@@ -56,11 +56,11 @@ def make_eval_engine(cfg: Config, checkpoint: str, out: Path, resources: context
         server = ManagedServer.serving(r.vllm_server_python, str(model_dir), out / "vllm-serve.log", dtype=dtype,
                                        max_model_len=r.max_context_tokens, lora_rank=0,
                                        startup_s=r.vllm_server_startup_s)
-        server_url = resources.enter_context(server).url
+        server_url, server_check = resources.enter_context(server).url, server.check_running
     elif server_url:  # a running server: it serves rollout.vllm_model; the checkpoint's weights go to it
         model_dir, push = r.vllm_model or model_dir, model
     engine = make_vllm_engine(model_dir=str(model_dir), tokenizer=tokenizer, sampling=r, seed=cfg.seed, dtype=dtype,
-                              server_url=server_url, max_model_len=r.max_context_tokens,
+                              server_url=server_url, server_check=server_check, max_model_len=r.max_context_tokens,
                               gpu_memory_utilization=r.vllm_gpu_memory_utilization)
     if push is not None:
         engine.sync_weights(push)

@@ -76,6 +76,7 @@ from common.engine import Completion, Engine, GenerationRequest
 from common.errors import MemexError
 from modeling.quantize import Int4Layout, int4_layout
 from modeling.zero3 import gathered
+from rollout.vllm_server import whole_prefills
 from rollout.weights import BUCKET_BYTES, buckets, checkpoint_tensors
 
 EXTENSION = "rollout.vllm.WorkerWeightSync"
@@ -132,11 +133,12 @@ class VLLMEngine(Engine):
     def __init__(self, tokenizer, *, llm=None, server_url: str | None = None, served_model: str = "",
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                  adapter_dir: str | None = None, bucket_bytes: int = BUCKET_BYTES, timeout_s: float = 600.0,
-                 sleep_mode: bool = False, model_dir: str = ""):
+                 sleep_mode: bool = False, model_dir: str = "", server_check=None):
         if (llm is None) == (server_url is None):
             raise MemexError("VLLMEngine needs exactly one of llm (colocate) or server_url (server)")
         self.tokenizer, self.llm = tokenizer, llm
         self.server_url = server_url.rstrip("/") if server_url else None
+        self.server_check = server_check  # raises with the reason when a server this process started is gone
         self.served_model, self.timeout_s = served_model, timeout_s
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.stop_ids = stop_token_ids(tokenizer)
@@ -196,8 +198,13 @@ class VLLMEngine(Engine):
     def _post(self, route: str, body: dict) -> dict:
         req = urllib.request.Request(f"{self.server_url}{route}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            raw = resp.read()
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                raw = resp.read()
+        except OSError:
+            if self.server_check is not None:
+                self.server_check()  # a managed server that died: its log's reason, not "connection refused"
+            raise
         return json.loads(raw) if raw.strip().startswith(b"{") else {}
 
     def _generate_server(self, requests: list[GenerationRequest], seeds: list[int]) -> list[tuple]:
@@ -357,11 +364,12 @@ def launcher_environment(ranks: Ranks, env=os.environ) -> None:
 
 def make_vllm_engine(*, model_dir: str, tokenizer, sampling: RolloutConfig, seed: int, dtype: str,
                      server_url: str | None = None, served_model: str = "", lora_rank: int = 0, ranks: Ranks = Ranks(),
-                     **llm_kwargs) -> VLLMEngine:
+                     server_check=None, **llm_kwargs) -> VLLMEngine:
     """A VLLMEngine: server mode when `server_url` is given, else a colocated LLM of `dtype` weights.
 
     `sampling` gives temperature / top_p / top_k (the run's `rollout` section), `seed` the sampling seed.
     `lora_rank` > 0 enables LoRA adapters of that rank (pass cfg.train.lora_r for finetune lora/qlora).
+    `server_check` (server mode): called when a request fails, raises if the server is gone (ManagedServer.check_running).
     `ranks`: this process among the training processes (`Ranks.of(accelerator)`); with more than one,
     each process's engine goes on its own GPU (`colocated_llm_kwargs`).
     Extra keyword arguments go to `vllm.LLM` (gpu_memory_utilization, max_model_len, dtype...).
@@ -370,7 +378,7 @@ def make_vllm_engine(*, model_dir: str, tokenizer, sampling: RolloutConfig, seed
     common = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "seed": seed}
     if server_url:
         return VLLMEngine(tokenizer, server_url=server_url, served_model=served_model or str(model_dir),
-                          model_dir=str(model_dir), **common)
+                          model_dir=str(model_dir), server_check=server_check, **common)
     import inspect
 
     from vllm import LLM
@@ -378,6 +386,8 @@ def make_vllm_engine(*, model_dir: str, tokenizer, sampling: RolloutConfig, seed
 
     sleep_ok = getattr(current_platform, "is_sleep_mode_available", lambda: False)()
     accepted = _engine_args() | set(inspect.signature(LLM.__init__).parameters)
+    if current_platform.is_cpu():
+        llm_kwargs = whole_prefills(llm_kwargs)
     kwargs = colocated_llm_kwargs(dtype=dtype, seed=seed, ranks=ranks, lora_rank=lora_rank, sleep_mode=sleep_ok,
                                   accepted=accepted, **llm_kwargs)
     if ranks.world_size > 1:

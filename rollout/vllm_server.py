@@ -15,6 +15,7 @@ the end of that log.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import time
@@ -30,15 +31,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def whole_prefills(llm_kwargs: dict) -> dict:
+    """`llm_kwargs` with vLLM's chunked prefill off: every prompt prefilled in one engine step, as the CPU build needs.
+
+    With chunked prefill, a prompt split across steps has the token sampled after a partial chunk discarded,
+    and vLLM rewinds that request's seeded generator with `Generator.set_offset`, which a CPU generator does not
+    have: "RuntimeError: CPU Generator does not use offset" kills the engine (vLLM 0.32 CPU; our requests are
+    always seeded, rollout/vllm.py `_request_seed`). Without chunked prefill vLLM raises the step's token budget
+    to max_model_len (a prompt that does not fit this step waits for the next); a budget given below it is raised.
+    """
+    out = dict(llm_kwargs, enable_chunked_prefill=False)
+    if "max_num_batched_tokens" in out and "max_model_len" in out:
+        out["max_num_batched_tokens"] = max(out["max_num_batched_tokens"], out["max_model_len"])
+    return out
+
+
 def serve_command(python: str, model: str, port: int, *, dtype: str, max_model_len: int, lora_rank: int,
-                  max_loras: int = 2, served_name: str = "", extra: tuple[str, ...] = ()) -> list[str]:
-    """The `vllm serve` command line: runtime LoRA of `lora_rank` (0: none), raw log-probs, our worker extension."""
+                  max_loras: int = 2, served_name: str = "", cpu: bool = False,
+                  extra: tuple[str, ...] = ()) -> list[str]:
+    """The `vllm serve` command line: runtime LoRA of `lora_rank` (0: none), raw log-probs, our worker extension;
+    on a CPU (`cpu`), no chunked prefill (`whole_prefills` says why)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name",
            served_name or model, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
            "--max-model-len", str(max_model_len), "--logprobs-mode", "raw_logprobs",
            "--worker-extension-cls", "rollout.vllm.WorkerWeightSync"]
     if lora_rank:
         cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", str(max_loras)]
+    if cpu:
+        cmd += ["--no-enable-chunked-prefill"]
     return cmd + list(extra)
 
 
@@ -53,18 +73,36 @@ class ManagedServer:
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
 
-    def _log_tail(self) -> str:
+    def _log_tail(self, chars: int = 3000) -> str:
+        """The log's end, after its last exception lines (a dying vLLM logs its shutdown after the cause)."""
         try:
-            return self.log_file.read_text(errors="replace")[-3000:]
+            text = self.log_file.read_text(errors="replace")
         except OSError:
             return "(no log)"
+        causes = [line for line in text.splitlines() if re.search(r"\w+(Error|Exception): ", line)]
+        return ("last errors in the log:\n" + "\n".join(causes[-3:]) + "\n...\n" if causes else "") + text[-chars:]
+
+    def check_running(self, grace_s: float = 15.0) -> None:
+        """Raise, with the log's errors, if the server process exits within `grace_s` (the engine calls it when a
+        request fails: a dying server closes its connections before its process ends)."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            return  # alive: the request failed for another reason, which the caller raises
+        raise MemexError(f"the managed vllm serve ({self.url}) exited with {self.proc.returncode} "
+                         f"({self.log_file}):\n{self._log_tail(1000)}")
 
     @classmethod
     def serving(cls, python: str, model: str, log_file: str | Path, *, dtype: str, max_model_len: int,
                 lora_rank: int, startup_s: float = 900.0) -> ManagedServer:
         """A server of `model` on a free local port, from `python` (`serve_command`); it starts when entered."""
+        import torch
+
         port = free_port()
-        cmd = serve_command(python, model, port, dtype=dtype, max_model_len=max_model_len, lora_rank=lora_rank)
+        cmd = serve_command(python, model, port, dtype=dtype, max_model_len=max_model_len, lora_rank=lora_rank,
+                            cpu=not torch.cuda.is_available())  # a machine without CUDA runs vLLM's CPU build
         return cls(cmd, port, log_file, startup_s)
 
     def __enter__(self) -> ManagedServer:

@@ -21,7 +21,10 @@ from rollout.vllm import make_vllm_engine  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (default 4)
-LLM_KWARGS = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True, "max_num_seqs": 8}
+# max_num_batched_tokens 64: a step's budget below the prompts of test_seeded_prompts_longer_than_a_step (vLLM's
+# chunked prefill would split them; rollout/vllm_server.whole_prefills turns it off and raises the budget).
+LLM_KWARGS = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True, "max_num_seqs": 8,
+              "max_num_batched_tokens": 64}
 SAMPLING = RolloutConfig()  # temperature 1, top_p 1, top_k 0
 PROMPTS = [[1, 2, 3, 4, 5], [42, 7, 99], [300, 301, 302, 303]]
 
@@ -94,6 +97,16 @@ def test_reseed_reproduces_rollouts(engine):
     engine.reseed(11)
     alone = engine.generate([requests([8, 8, 8])[1]])[0].token_ids
     assert alone == first[1]  # an episode's sample does not depend on the batch around it
+
+
+def test_seeded_prompts_longer_than_a_step(engine):
+    """Prompts past a step's token budget, sampled with seeds (as every rollout is): a chunked prefill on vLLM's
+    CPU build ends in "CPU Generator does not use offset" and kills the engine; whole prefills do not."""
+    long = [GenerationRequest(f"long{i}", list(range(10 + i, 410 + i)), 4) for i in range(3)]
+    engine.reseed(5)
+    first = [c.token_ids for c in engine.generate(long)]
+    engine.reseed(5)
+    assert [len(ids) for ids in first] == [4, 4, 4] and [c.token_ids for c in engine.generate(long)] == first
 
 
 def test_stops_at_end_of_turn_token(engine):
@@ -227,7 +240,7 @@ def server(dense, tmp_path_factory):
     path, _ = dense
     port = free_port()
     cmd = serve_command(sys.executable, path, port, dtype="float32", max_model_len=512, lora_rank=8, max_loras=4,
-                        served_name="tiny", extra=("--enforce-eager", "--max-num-seqs", "8"))
+                        served_name="tiny", cpu=not torch.cuda.is_available(), extra=("--enforce-eager", "--max-num-seqs", "8"))
     with ManagedServer(cmd, port, tmp_path_factory.mktemp("server") / "vllm-serve.log", startup_s=600) as served:
         yield served.url
 
