@@ -8,8 +8,9 @@ loaded at runtime; full weights through /collective_rpc), so nothing of vLLM is 
 
 `ManagedServer` starts `PYTHON -m vllm.entrypoints.openai.api_server` on a free local port with runtime
 LoRA loading and our worker extension, waits until /health answers, and stops it on exit (terminate,
-then kill). Its output goes to a log file; a server that exits or does not come up stops the run with
-the end of that log.
+then kill); on Linux the server also gets SIGTERM when the process that started it dies (a killed trainer
+leaves no server holding the machine's memory). Its output goes to a log file; a server that exits or does
+not come up stops the run with the end of that log.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -62,8 +64,20 @@ def serve_command(python: str, model: str, port: int, *, dtype: str, max_model_l
     return cmd + list(extra)
 
 
+def _die_with_parent() -> None:
+    """In the server's process before exec (Linux): SIGTERM when the process that started it dies, even by SIGKILL
+    or a scheduler's preemption, which skip the `with` block's exit. Elsewhere: nothing (the block still stops it)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class ManagedServer:
-    """A local `vllm serve` for the life of a `with` block; `url` is its base URL."""
+    """A local `vllm serve` for the life of a `with` block (or of the process that started it); `url` is its URL."""
 
     def __init__(self, cmd: list[str], port: int, log_file: str | Path, startup_s: float = 900.0,
                  env: dict | None = None):
@@ -111,7 +125,8 @@ class ManagedServer:
                              f"`make .venv-vllm/.installed` (vLLM's CPU build) or point it at a Python with vLLM")
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "w") as out:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         deadline = time.monotonic() + self.startup_s
         while True:
             if self.proc.poll() is not None:

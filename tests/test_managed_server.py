@@ -8,7 +8,12 @@ step failed with "Connection refused" and nothing said the server was gone.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +56,37 @@ def test_the_cpu_server_prefills_whole_prompts():
     assert "--no-enable-chunked-prefill" in cmd
     assert "--no-enable-chunked-prefill" not in serve_command("python", "m", 8000, dtype="bfloat16",
                                                               max_model_len=8192, lora_rank=16)
+
+
+PARENT = """
+import sys, time
+sys.path.insert(0, sys.argv[4])
+from rollout.vllm_server import ManagedServer
+port = int(sys.argv[2])
+with ManagedServer([sys.executable, sys.argv[1], str(port)], port, sys.argv[3], startup_s=60) as server:
+    print(server.proc.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_trainer_leaves_no_server(tmp_path):
+    """SIGKILL (or a scheduler's preemption) skips the `with` block's exit; the server still goes with its parent."""
+    (tmp_path / "server.py").write_text(DYING_SERVER)
+    (tmp_path / "parent.py").write_text(PARENT)
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "server.py"), str(free_port()),
+                               str(tmp_path / "serve.log"), str(Path(__file__).resolve().parents[1])],
+                              stdout=subprocess.PIPE, text=True)
+    server_pid = int(parent.stdout.readline())
+    os.kill(server_pid, 0)  # serving
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(server_pid, signal.SIGKILL)
+    pytest.fail("the server outlived the process that started it")
