@@ -201,6 +201,8 @@ class VLLMEngine(Engine):
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 raw = resp.read()
+        except urllib.error.HTTPError:
+            raise  # the server answered: it is up, and the error says what it refused
         except OSError:
             if self.server_check is not None:
                 self.server_check()  # a managed server that died: its log's reason, not "connection refused"
