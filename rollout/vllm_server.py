@@ -49,10 +49,15 @@ def whole_prefills(llm_kwargs: dict) -> dict:
 
 
 def serve_command(python: str, model: str, port: int, *, dtype: str, max_model_len: int, lora_rank: int,
-                  max_loras: int = 2, served_name: str = "", cpu: bool = False,
+                  max_loras: int = 2, served_name: str = "", cpu: bool | None = None,
                   extra: tuple[str, ...] = ()) -> list[str]:
     """The `vllm serve` command line: runtime LoRA of `lora_rank` (0: none), raw log-probs, our worker extension;
-    on a CPU (`cpu`), no chunked prefill (`whole_prefills` says why)."""
+    on a CPU, no chunked prefill (`whole_prefills` says why). `cpu` None: a machine without CUDA, whose vLLM is the
+    CPU build."""
+    if cpu is None:
+        import torch
+
+        cpu = not torch.cuda.is_available()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name",
            served_name or model, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
            "--max-model-len", str(max_model_len), "--logprobs-mode", "raw_logprobs",
@@ -112,11 +117,8 @@ class ManagedServer:
     def serving(cls, python: str, model: str, log_file: str | Path, *, dtype: str, max_model_len: int,
                 lora_rank: int, startup_s: float = 900.0) -> ManagedServer:
         """A server of `model` on a free local port, from `python` (`serve_command`); it starts when entered."""
-        import torch
-
         port = free_port()
-        cmd = serve_command(python, model, port, dtype=dtype, max_model_len=max_model_len, lora_rank=lora_rank,
-                            cpu=not torch.cuda.is_available())  # a machine without CUDA runs vLLM's CPU build
+        cmd = serve_command(python, model, port, dtype=dtype, max_model_len=max_model_len, lora_rank=lora_rank)
         return cls(cmd, port, log_file, startup_s)
 
     def __enter__(self) -> ManagedServer:

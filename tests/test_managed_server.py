@@ -43,7 +43,8 @@ def test_a_server_that_died_is_named_with_its_logged_cause(tmp_path, smol_tokeni
     script = tmp_path / "server.py"
     script.write_text(DYING_SERVER)
     with ManagedServer([sys.executable, str(script), str(port)], port, tmp_path / "serve.log", startup_s=60) as server:
-        engine = make_vllm_engine(model_dir="m", tokenizer=smol_tokenizer, sampling=RolloutConfig(), seed=0, dtype="float32", server_url=server.url, server_check=server.check_running)
+        engine = make_vllm_engine(model_dir="m", tokenizer=smol_tokenizer, sampling=RolloutConfig(), seed=0,
+                                  dtype="float32", server_url=server.url, server_check=server.check_running)
         with pytest.raises(MemexError) as err:
             engine.generate([GenerationRequest("e0", [1, 2, 3], 4)])
     message = str(err.value)
@@ -55,7 +56,7 @@ def test_the_cpu_server_prefills_whole_prompts():
     cmd = serve_command("python", "m", 8000, dtype="bfloat16", max_model_len=8192, lora_rank=16, cpu=True)
     assert "--no-enable-chunked-prefill" in cmd
     assert "--no-enable-chunked-prefill" not in serve_command("python", "m", 8000, dtype="bfloat16",
-                                                              max_model_len=8192, lora_rank=16)
+                                                              max_model_len=8192, lora_rank=16, cpu=False)
 
 
 PARENT = """

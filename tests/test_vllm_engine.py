@@ -240,7 +240,7 @@ def server(dense, tmp_path_factory):
     path, _ = dense
     port = free_port()
     cmd = serve_command(sys.executable, path, port, dtype="float32", max_model_len=512, lora_rank=8, max_loras=4,
-                        served_name="tiny", cpu=not torch.cuda.is_available(), extra=("--enforce-eager", "--max-num-seqs", "8"))
+                        served_name="tiny", extra=("--enforce-eager", "--max-num-seqs", "8"))
     with ManagedServer(cmd, port, tmp_path_factory.mktemp("server") / "vllm-serve.log", startup_s=600) as served:
         yield served.url
 
