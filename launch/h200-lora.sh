@@ -4,6 +4,7 @@
 #
 #   bash launch/h200-lora.sh            # every step below in order; a step whose output exists is skipped
 #   bash launch/h200-lora.sh STEP       # one step: data | download | expert | sft | merge | quantize | train | resume | plot
+#   bash launch/h200-lora.sh dirs       # where each step reads and writes (from the config)
 #   bash launch/h200-lora.sh train train.steps=20     # extra arguments: overrides (and options) for sft / train
 # Run from anywhere (it cd's to the repo root), with the [gpu] extra installed: pip install -e ".[gpu]".
 # Run launch/gpu-check.sh first on a new machine (random weights, no download, < 8 minutes).
@@ -42,20 +43,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The reading run of issue 27 (configs/h200-reading.yaml, its header) takes the same steps with:
-#   CONFIG=configs/h200-reading.yaml READING_TASKS=runs/reading/train.txt EXPERT_DIR=runs/reader-demos-qwen3 \
-#   SFT_DIR=runs/sft-h200-reading MERGED_DIR=runs/qwen3-30b-a3b-reading-sft-bf16 \
-#   INT4_DIR=runs/qwen3-30b-a3b-reading-int4 RUN_DIR=runs/h200-reading bash launch/h200-lora.sh [STEP]
+# The reading run of issue 27 (configs/h200-reading.yaml, its header) takes the same steps:
+#   CONFIG=configs/h200-reading.yaml bash launch/h200-lora.sh [STEP]
 CONFIG=${CONFIG:-configs/h200-lora.yaml}
 ACCEL=configs/accelerate/single.yaml
 BASE_HF=Qwen/Qwen3-30B-A3B-Thinking-2507
-EXPERT_DIR=${EXPERT_DIR:-runs/expert-qwen3}        # = sft.demos's directory in the config
 EXPERT_GAMES=${EXPERT_GAMES:-600}
-READING_TASKS=${READING_TASKS:-}                   # a reading games file: the reader-expert instead of ALFWorld's
-SFT_DIR=${SFT_DIR:-runs/sft-h200}                  # = sft.output_dir and train.init_checkpoint
-MERGED_DIR=${MERGED_DIR:-runs/qwen3-30b-a3b-sft-bf16}
-INT4_DIR=${INT4_DIR:-runs/qwen3-30b-a3b-int4}      # = rollout.vllm_model
-RUN_DIR=${RUN_DIR:-runs/h200-lora}                 # = train.output_dir
 PY=${PYTHON:-python}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}       # the env workers are processes; keep torch's CPU threads few
 export WANDB_MODE=${WANDB_MODE:-offline}           # `wandb login` and WANDB_MODE=online for live curves
@@ -63,6 +56,32 @@ export WANDB_MODE=${WANDB_MODE:-offline}           # `wandb login` and WANDB_MOD
 step=${1:-all}
 shift || true
 source "$(dirname "${BASH_SOURCE[0]}")/_args.sh"  # -> opts=(...) overrides=(...)
+
+# The directories come from the config (with the overrides above), so a step never reads another run's files:
+#   EXPERT_DIR = sft.demos's directory, SFT_DIR = sft.output_dir (= train.init_checkpoint), INT4_DIR =
+#   rollout.vllm_model, RUN_DIR = train.output_dir, READING_TASKS = train.reading_tasks when train.env is
+#   reading (the reader-expert instead of ALFWorld's); MERGED_DIR = SFT_DIR/merged-bf16 (the SFT start merged
+#   into its base, what `quantize` reads). MERGED_DIR=... in the environment puts the merged model elsewhere.
+dirs=$($PY - "$CONFIG" ${overrides[@]+"${overrides[@]}"} <<'EOF'
+import shlex, sys
+from pathlib import Path
+from common.config import load_config
+from common.errors import MemexError
+try:
+    cfg = load_config(sys.argv[1], sys.argv[2:])
+except MemexError as exc:
+    sys.exit(str(exc))
+if cfg.train.init_checkpoint and Path(cfg.train.init_checkpoint) != Path(cfg.sft.output_dir):
+    sys.exit(f"{sys.argv[1]}: train.init_checkpoint ({cfg.train.init_checkpoint}) is not sft.output_dir "
+             f"({cfg.sft.output_dir}); the recipe starts GRPO from its own SFT run: make them the same")
+dirs = {"EXPERT_DIR": str(Path(cfg.sft.demos).parent), "SFT_DIR": cfg.sft.output_dir,
+        "INT4_DIR": cfg.rollout.vllm_model, "RUN_DIR": cfg.train.output_dir,
+        "READING_TASKS": cfg.train.reading_tasks if cfg.train.env == "reading" else ""}
+print("\n".join(f"{k}={shlex.quote(v)}" for k, v in dirs.items()))
+EOF
+)  # a failure stops here (set -e)
+eval "$dirs"
+MERGED_DIR=${MERGED_DIR:-$SFT_DIR/merged-bf16}
 
 run_data() {  # ALFWorld games: $ALFWORLD_ARCHIVE (or --archive FILE) else ALFWorld's own download
   if [[ -n "${ALFWORLD_DATA:-}" ]]; then echo "ALFWORLD_DATA=$ALFWORLD_DATA"; return; fi
@@ -130,10 +149,12 @@ case $step in
   train) run_data; run_train ;;
   resume) run_data; run_train --resume ;;   # continues $RUN_DIR from its newest checkpoint (same config!)
   plot) run_plot ;;
+  dirs) printf '%s\n' "EXPERT_DIR=$EXPERT_DIR" "SFT_DIR=$SFT_DIR" "MERGED_DIR=$MERGED_DIR" "INT4_DIR=$INT4_DIR" \
+          "RUN_DIR=$RUN_DIR" "READING_TASKS=$READING_TASKS" ;;
   all)
     $PY -m memexrl train --config "$CONFIG" --dry-run   # the plan: batches, parameters, memory
     run_data; run_download; run_expert; run_sft; run_merge; run_quantize; run_train; run_plot ;;
-  *) echo "unknown step '$step': data | download | expert | sft | merge | quantize | train | resume | plot | all" >&2
+  *) echo "unknown step '$step': data | download | expert | sft | merge | quantize | train | resume | plot | dirs | all" >&2
      exit 2 ;;
 esac
 # Resume after a crash or preemption: `bash launch/h200-lora.sh resume` (or `... train --resume-from

@@ -154,3 +154,27 @@ def test_paper_recipe_plots_the_run_it_launched(mode, tmp_path):
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert (mine / "plots" / "success.png").is_file()  # the user's train.output_dir wins
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_h200_script_takes_its_directories_from_the_config(tmp_path):
+    """Each step of launch/h200-lora.sh reads and writes the config's directories: the reading config's steps
+    never pick up the ALFWorld run's demos, SFT start, merged model or INT4 weights, and a config whose GRPO
+    would not start from its own SFT run stops before any step."""
+    env = {**os.environ, "PYTHON": sys.executable, "ALFWORLD_DATA": str(tmp_path)}
+    env.pop("MERGED_DIR", None)
+    listed = {}
+    for config in ("h200-lora.yaml", "h200-reading.yaml"):
+        done = subprocess.run(["bash", str(REPO / "launch" / "h200-lora.sh"), "dirs"], capture_output=True,
+                              text=True, timeout=120, env={**env, "CONFIG": f"configs/{config}"})
+        assert done.returncode == 0, done.stderr
+        listed[config] = dict(line.split("=", 1) for line in done.stdout.strip().splitlines())
+    reading, cfg = listed["h200-reading.yaml"], load_config(REPO / "configs" / "h200-reading.yaml")
+    assert reading["SFT_DIR"] == cfg.sft.output_dir == cfg.train.init_checkpoint
+    assert reading["INT4_DIR"] == cfg.rollout.vllm_model and reading["RUN_DIR"] == cfg.train.output_dir
+    assert reading["READING_TASKS"] == cfg.train.reading_tasks and listed["h200-lora.yaml"]["READING_TASKS"] == ""
+    assert all(reading[k] != listed["h200-lora.yaml"][k] for k in ("EXPERT_DIR", "SFT_DIR", "MERGED_DIR", "INT4_DIR",
+                                                                    "RUN_DIR"))
+    done = subprocess.run(["bash", str(REPO / "launch" / "h200-lora.sh"), "dirs", "train.init_checkpoint=runs/x"],
+                          capture_output=True, text=True, timeout=120, env={**env, "CONFIG": "configs/h200-lora.yaml"})
+    assert done.returncode == 1 and "is not sft.output_dir" in done.stderr and "EXPERT_DIR" not in done.stdout
