@@ -110,7 +110,7 @@ def _vllm_server_run(games: list[Path], cfg: Config, model, tokenizer, python: s
         with ManagedServer.serving(python, tmp, Path(tmp) / "vllm-serve.log", dtype=dtype, max_model_len=window,
                                    lora_rank=0) as server:
             engine = make_vllm_engine(model_dir=tmp, tokenizer=tokenizer, sampling=cfg.rollout, seed=cfg.seed,
-                                      dtype=dtype, server_url=server.url, server_check=server.check_running)
+                                      dtype=dtype, **server.engine_args())
             return _play(games, cfg, model, tokenizer, engine=engine)
 
 

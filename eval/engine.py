@@ -20,7 +20,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from common.config import Config
-from common.errors import MemexError
 
 
 def make_eval_engine(cfg: Config, checkpoint: str, out: Path, resources: contextlib.ExitStack | None = None):
@@ -40,6 +39,7 @@ def make_eval_engine(cfg: Config, checkpoint: str, out: Path, resources: context
         return engine, tokenizer
     from modeling.zoo import resolve_model_path
     from rollout.vllm import make_vllm_engine
+    from rollout.vllm_server import engine_server_args
 
     out = Path(out)
     model_dir = resolve_model_path(checkpoint, cfg.model.cache_dir)
@@ -47,20 +47,13 @@ def make_eval_engine(cfg: Config, checkpoint: str, out: Path, resources: context
         model_dir = str(out / "merged")
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
-    dtype, server_url, push, server_check = cfg.engine_dtype, r.vllm_server_url or None, None, None
-    if server_url == "managed":
-        from rollout.vllm_server import ManagedServer
-
-        if resources is None:
-            raise MemexError("rollout.vllm_server_url=managed needs a caller that owns the server's lifetime")
-        server = ManagedServer.serving(r.vllm_server_python, str(model_dir), out / "vllm-serve.log", dtype=dtype,
-                                       max_model_len=r.max_context_tokens, lora_rank=0,
-                                       startup_s=r.vllm_server_startup_s)
-        server_url, server_check = resources.enter_context(server).url, server.check_running
-    elif server_url:  # a running server: it serves rollout.vllm_model; the checkpoint's weights go to it
-        model_dir, push = r.vllm_model or model_dir, model
+    dtype, push = cfg.engine_dtype, None
+    if r.vllm_server_url not in ("", "managed"):  # a running server: it serves rollout.vllm_model; the checkpoint's
+        model_dir, push = r.vllm_model or model_dir, model  # weights go to it
+    server = engine_server_args(r, str(model_dir), out / "vllm-serve.log", dtype=dtype, lora_rank=0,
+                                resources=resources)
     engine = make_vllm_engine(model_dir=str(model_dir), tokenizer=tokenizer, sampling=r, seed=cfg.seed, dtype=dtype,
-                              server_url=server_url, server_check=server_check, max_model_len=r.max_context_tokens,
+                              max_model_len=r.max_context_tokens, **server,
                               gpu_memory_utilization=r.vllm_gpu_memory_utilization)
     if push is not None:
         engine.sync_weights(push)

@@ -121,6 +121,10 @@ class ManagedServer:
         cmd = serve_command(python, model, port, dtype=dtype, max_model_len=max_model_len, lora_rank=lora_rank)
         return cls(cmd, port, log_file, startup_s)
 
+    def engine_args(self) -> dict:
+        """`make_vllm_engine`'s server arguments for this server: its URL, and the check that names why it died."""
+        return {"server_url": self.url, "server_check": self.check_running}
+
     def __enter__(self) -> ManagedServer:
         if not Path(self.cmd[0]).exists() and os.sep in self.cmd[0]:
             raise MemexError(f"rollout.vllm_server_python {self.cmd[0]} does not exist: build it with "
@@ -153,3 +157,18 @@ class ManagedServer:
             self.proc.kill()
             self.proc.wait()
         self.proc = None
+
+
+def engine_server_args(rollout, model_dir: str, log_file: str | Path, *, dtype: str, lora_rank: int,
+                       resources) -> dict:
+    """`make_vllm_engine`'s server arguments for `rollout.vllm_server_url`: "" -> none (a colocated vLLM), a URL -> that
+    server, "managed" -> a `ManagedServer` of `model_dir` started now and stopped when `resources` (an ExitStack that
+    owns the run's lifetime) closes."""
+    if rollout.vllm_server_url != "managed":
+        return {"server_url": rollout.vllm_server_url or None}
+    if resources is None:
+        raise MemexError("rollout.vllm_server_url=managed needs a caller that owns the server's lifetime (an ExitStack)")
+    server = ManagedServer.serving(rollout.vllm_server_python, str(model_dir), log_file, dtype=dtype,
+                                   max_model_len=rollout.max_context_tokens, lora_rank=lora_rank,
+                                   startup_s=rollout.vllm_server_startup_s)
+    return resources.enter_context(server).engine_args()

@@ -44,7 +44,7 @@ def test_a_server_that_died_is_named_with_its_logged_cause(tmp_path, smol_tokeni
     script.write_text(DYING_SERVER)
     with ManagedServer([sys.executable, str(script), str(port)], port, tmp_path / "serve.log", startup_s=60) as server:
         engine = make_vllm_engine(model_dir="m", tokenizer=smol_tokenizer, sampling=RolloutConfig(), seed=0,
-                                  dtype="float32", server_url=server.url, server_check=server.check_running)
+                                  dtype="float32", **server.engine_args())
         with pytest.raises(MemexError) as err:
             engine.generate([GenerationRequest("e0", [1, 2, 3], 4)])
     message = str(err.value)

@@ -101,24 +101,16 @@ def make_engine(policy: Policy, cfg: Config, accelerator=None, resources: contex
                                   top_k=r.top_k, batch_size=r.batch_size, seed=cfg.seed, dtype=dtype)
     from modeling.zoo import resolve_model_path
     from rollout.vllm import Ranks, make_vllm_engine
+    from rollout.vllm_server import engine_server_args
 
     model_dir = r.vllm_model or resolve_model_path(policy.rollout_model_dir, cfg.model.cache_dir)
     dtype = cfg.engine_dtype  # vLLM casts the weights it loads and syncs
     lora_rank = cfg.train.lora_r if policy.uses_adapter else 0
-    server_url, server_check = r.vllm_server_url or None, None
-    if server_url == "managed":
-        from rollout.vllm_server import ManagedServer
-
-        if resources is None:
-            raise MemexError("rollout.vllm_server_url=managed needs a trainer to own the server's lifetime")
-        log_file = Path(cfg.train.output_dir) / f"vllm-serve-{Ranks.of(accelerator).rank if accelerator else 0}.log"
-        server = ManagedServer.serving(r.vllm_server_python, str(model_dir), log_file, dtype=dtype,
-                                       max_model_len=r.max_context_tokens, lora_rank=lora_rank,
-                                       startup_s=r.vllm_server_startup_s)
-        server_url, server_check = resources.enter_context(server).url, server.check_running
+    log_file = Path(cfg.train.output_dir) / f"vllm-serve-{Ranks.of(accelerator).rank if accelerator else 0}.log"
+    server = engine_server_args(r, str(model_dir), log_file, dtype=dtype, lora_rank=lora_rank, resources=resources)
     engine = make_vllm_engine(
         model_dir=model_dir, tokenizer=policy.tokenizer, sampling=r, seed=cfg.seed, dtype=dtype,
-        server_url=server_url, server_check=server_check, lora_rank=lora_rank,
+        lora_rank=lora_rank, **server,
         max_model_len=r.max_context_tokens, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         ranks=Ranks.of(accelerator) if accelerator is not None else Ranks(),
     )
