@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint
+from tqdm.auto import tqdm
 
 from common.trajectory import Trajectory
 from modeling.zero3 import is_partitioned
@@ -242,9 +243,12 @@ def fill_logprobs(model, samples: list[SegmentSample], micro_batch_size: int, pa
     """Store the model's per-token log-probs on each sample under `field` (old_logprobs / ref_logprobs).
 
     `acc` (the accelerator, several processes): forwards in lockstep with the other processes
-    (`lockstep_micro_batches`), as ZeRO-3 needs.
+    (`lockstep_micro_batches`), as ZeRO-3 needs. A progress bar on the main process (these passes can take
+    minutes before the update's first optimizer step).
     """
-    for chunk in lockstep_micro_batches(samples, micro_batch_size, acc):
+    chunks = lockstep_micro_batches(samples, micro_batch_size, acc)
+    main = acc is None or acc.is_main_process
+    for chunk in tqdm(chunks, desc=field.replace("_", " "), leave=False, disable=not main):
         logp, _ = sequence_logprobs(model, collate(chunk or [padding_sample(pad_id)], pad_id, device),
                                     head_chunk=head_chunk)
         for i, s in enumerate(chunk):
