@@ -106,13 +106,13 @@ def make_engine(policy: Policy, cfg: Config, accelerator=None, resources: contex
     model_dir = r.vllm_model or resolve_model_path(policy.rollout_model_dir, cfg.model.cache_dir)
     dtype = cfg.engine_dtype  # vLLM casts the weights it loads and syncs
     lora_rank = cfg.train.lora_r if policy.uses_adapter else 0
-    log_file = Path(cfg.train.output_dir) / f"vllm-serve-{Ranks.of(accelerator).rank if accelerator else 0}.log"
+    ranks = Ranks.of(accelerator) if accelerator is not None else Ranks()
+    log_file = Path(cfg.train.output_dir) / f"vllm-serve-{ranks.rank}.log"
     server = engine_server_args(r, str(model_dir), log_file, dtype=dtype, lora_rank=lora_rank, resources=resources)
     engine = make_vllm_engine(
         model_dir=model_dir, tokenizer=policy.tokenizer, sampling=r, seed=cfg.seed, dtype=dtype,
         lora_rank=lora_rank, **server,
-        max_model_len=r.max_context_tokens, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
-        ranks=Ranks.of(accelerator) if accelerator is not None else Ranks(),
+        max_model_len=r.max_context_tokens, gpu_memory_utilization=r.vllm_gpu_memory_utilization, ranks=ranks,
     )
     engine.sync_weights(policy.model)  # the starting adapter (or resumed weights)
     return engine
