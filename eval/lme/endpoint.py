@@ -38,10 +38,9 @@ def api_key(given: str = "") -> str:
 def client(base_url: str, key: str = "", read_timeout_s: float = READ_TIMEOUT_S,
            connect_timeout_s: float = CONNECT_TIMEOUT_S):
     """An `openai.OpenAI` client for `base_url` with connect and read timeouts and no retries of its own."""
-    import httpx
-    from openai import OpenAI
+    from openai import OpenAI, Timeout  # openai's own Timeout: the httpx (or httpx2) build its client uses
 
-    timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
+    timeout = Timeout(read_timeout_s, connect=connect_timeout_s)
     return OpenAI(base_url=base_url.rstrip("/"), api_key=api_key(key), timeout=timeout, max_retries=0)
 
 
