@@ -16,6 +16,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 READING_TASK = "reading"  # Trajectory.task["kind"] of a reading episode
+# An episode "ends in an error loop" when it is not won and its last ERROR_LOOP_TURNS turns all failed (a format
+# error or a refused tool call): the policy repeating a call that fails, e.g. a CompressExperience cut at the
+# turn cap or with anchors that are not in its context, until the step limit. A diagnostic of ours, not the
+# paper's; issue 26's CPU runs had 31-46 % of their episodes end this way (docs/results.md section 4).
+ERROR_LOOP_TURNS = 5
 
 
 @dataclass
@@ -32,11 +37,22 @@ class Step:
     state_changing: bool = False  # an env action that may change the world (resets redundancy tracking)
     advances: bool = False  # an env action that showed new content (a reading page): tracking restarts empty
 
+    @property
+    def failed(self) -> bool:
+        """A format error, or a tool call the tool refused (a rejected compression, a missed read)."""
+        return self.format_error or self.error is not None
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("state_changing")
         out.pop("advances")
         return out
+
+
+def ends_in_error_loop(success: bool, steps: list[Step]) -> bool:
+    """Not won, and the last ERROR_LOOP_TURNS turns all failed (see ERROR_LOOP_TURNS)."""
+    tail = steps[-ERROR_LOOP_TURNS:]
+    return not success and len(tail) == ERROR_LOOP_TURNS and all(s.failed for s in tail)
 
 
 @dataclass
@@ -102,6 +118,10 @@ class Trajectory:
     def crashed(self) -> bool:
         """Lost to a fault that is not the policy's (env worker, engine, a bug): not a failure to learn from."""
         return self.end_reason == CRASH
+
+    @property
+    def error_loop(self) -> bool:
+        return ends_in_error_loop(self.success, self.steps)
 
     @property
     def stats(self) -> dict[str, int]:

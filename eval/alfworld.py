@@ -23,7 +23,7 @@ from pathlib import Path
 from common.atomic import write_text_atomic
 from common.config import Config
 from common.errors import MemexError
-from common.trajectory import CRASH, success_by_task_type
+from common.trajectory import CRASH, Step, ends_in_error_loop, success_by_task_type
 from envs.data import ordered_games, read_games_file
 from rollout.strategies import AgentSpec, make_agent
 
@@ -40,7 +40,8 @@ def _mean(values) -> float:
 
 
 def aggregate(records: list[dict]) -> dict:
-    """Success overall and by task type, context and tool counts per episode, reward (design.md names),
+    """Success overall and by task type, context and tool counts per episode, reward (design.md names), the
+    share of episodes ending in an error loop (common/trajectory.py ERROR_LOOP_TURNS),
     over trajectory JSON (`Trajectory.to_json()`: what episodes.jsonl holds, and a resumed run reloads)."""
     stats = [r["stats"] for r in records]
     return {
@@ -59,6 +60,7 @@ def aggregate(records: list[dict]) -> dict:
         "num_format_errors_mean": _mean(s["num_format_errors"] for s in stats),
         "num_steps_mean": _mean(s["num_steps"] for s in stats),
         "reward_mean": _mean(r["reward"].get("total", 0.0) for r in records),
+        "error_loop_rate": _mean(ends_in_error_loop(r["success"], [Step(**s) for s in r["steps"]]) for r in records),
         "end_reasons": dict(sorted(Counter(r["end_reason"] for r in records).items())),
     }
 

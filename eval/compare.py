@@ -1,7 +1,7 @@
 """`memexrl eval compare OUT DIR...`: one table and one chart across `eval alfworld` result directories.
 
 Writes OUT/compare.md (a markdown table: agent, checkpoint, games, success, peak working tokens,
-memory-tool use, redundant actions, format errors, reward) and OUT/compare.png (success per run as bars, and success
+memory-tool use, redundant actions, format errors, episodes ending in an error loop, reward) and OUT/compare.png (success per run as bars, and success
 against mean peak working tokens, the paper's two axes).
 """
 
@@ -11,11 +11,11 @@ import json
 from pathlib import Path
 
 from common.errors import MemexError
-from eval.alfworld import RESULT_FILE
+from eval.alfworld import EPISODES_FILE, RESULT_FILE, aggregate
 
 COLUMNS = ("run", "agent", "checkpoint", "split", "games", "success %", "peak W (mean)", "peak W (max)",
            "compress/ep", "rejected/ep", "read/ep", "missed/ep", "segments/ep", "redundant/ep", "format err/ep",
-           "reward")
+           "error loop %", "reward")
 
 
 def load_result(directory: str | Path) -> dict:
@@ -29,6 +29,13 @@ def load_result(directory: str | Path) -> dict:
     missing = [k for k in ("agent", "n_games", "success_rate", "peak_working_tokens_mean") if k not in result]
     if missing:
         raise MemexError(f"{path} has no {missing[0]!r}: not written by `memexrl eval alfworld`")
+    episodes = Path(directory) / EPISODES_FILE
+    if "error_loop_rate" not in result and episodes.exists():  # a result written before the metric existed
+        try:
+            records = [json.loads(line) for line in episodes.read_text().splitlines() if line.strip()]
+            result["error_loop_rate"] = aggregate(records)["error_loop_rate"]
+        except (ValueError, KeyError, TypeError):
+            pass  # unreadable episodes: the column shows "-"
     return {"run": Path(directory).name, **result}
 
 
@@ -42,6 +49,7 @@ def row(result: dict) -> list[str]:
                 "num_segments_mean")),
             f"{result.get('num_redundant_mean', 0):.2f}",
             f"{result.get('num_format_errors_mean', 0):.2f}",
+            f"{100 * result['error_loop_rate']:.1f}" if "error_loop_rate" in result else "-",
             f"{result.get('reward_mean', 0):.3f}"]
 
 

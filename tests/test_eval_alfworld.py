@@ -55,6 +55,18 @@ def test_aggregate_by_hand():
     assert result["end_reasons"] == {"env_done": 2, "step_limit": 1}
 
 
+def test_an_episode_that_ends_repeating_a_failing_call_is_counted_as_an_error_loop():
+    """The diagnostic of issue 26's runs: the policy retries a refused call until the step limit."""
+    looping = traj("pick_and_place_simple", False, 900, rejected=5)  # look, then 5 refused compressions
+    short = traj("pick_and_place_simple", False, 900, rejected=4)  # 4: not yet a loop
+    won = traj("pick_and_place_simple", True, 900, rejected=5)  # a win is never a loop
+    formats = traj("pick_and_place_simple", False, 900, rejected=2)
+    formats["steps"] += [Step("cut", None, None, True, "Format error: unclosed <tool_call>", "e", 30).to_json()] * 3
+    recovered = traj("pick_and_place_simple", False, 900, rejected=6, read=1)  # the last turn is a read that hit
+    result = aggregate([looping, short, won, formats, recovered])
+    assert result["error_loop_rate"] == pytest.approx(2 / 5)
+
+
 def solved(goal, actions):
     steps = [{"tool": "execute_action", "arguments": {"action": a}, "observation": "ok"} for a in actions]
     return {"goal": goal, "success": True, "steps": steps}
@@ -200,11 +212,21 @@ def test_compare_writes_a_table_and_a_chart(tmp_path, capsys):
     lines = table.splitlines()
     assert lines[0].startswith("| run | agent |") and len(lines) == 4
     assert "| compress/ep | rejected/ep | read/ep | missed/ep | segments/ep |" in lines[0]
+    assert lines[0].endswith("| format err/ep | error loop % | reward |")
     assert lines[2].startswith("| memex | memex | step-42 | valid_unseen | 2 | 50.0 | 1000 | 1200 |")
     assert lines[3].startswith("| full | full | step-42 | valid_unseen | 2 | 0.0 | 5000 | 6000 |")
     png = (tmp_path / "cmp" / "compare.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert table in capsys.readouterr().out
+    # a result written before the error-loop metric existed: the column comes from its episodes
+    old = tmp_path / "old"
+    write_result(old, "memex", [False], [900])
+    result = json.loads((old / RESULT_FILE).read_text())
+    del result["error_loop_rate"]
+    (old / RESULT_FILE).write_text(json.dumps(result))
+    (old / "episodes.jsonl").write_text(json.dumps(traj("pick_and_place_simple", False, 900, rejected=5)) + "\n")
+    assert main(["eval", "compare", str(tmp_path / "cmp2"), str(old)]) == 0
+    assert "| 0.00 | 100.0 | 0.000 |" in (tmp_path / "cmp2" / "compare.md").read_text()
     assert main(["eval", "compare", str(tmp_path / "cmp"), str(tmp_path / "missing")]) == 2
     assert "run `memexrl eval alfworld" in capsys.readouterr().err
 

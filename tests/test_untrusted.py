@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from common.config import load_config
-from common.trajectory import CRASH, Trajectory
+from common.trajectory import CRASH, Step, Trajectory
 from envs.data import resolve_game
 from memexrl.cli import replay
 from rollout.runner import make_renderer, open_envs, run_episodes
@@ -141,6 +141,9 @@ def test_metrics_count_crashes_and_leave_them_out_of_the_means():
     assert metrics["success_rate"] == 0.5 and metrics["reward_mean"] == 0.5
     assert rollout_metrics([])["num_crashed"] == 0
     assert torch.tensor(rollout_metrics([scored(0.0, CRASH)])["success_rate"]) == 0.0
+    stuck = scored(0.0, "step_limit")
+    stuck.steps = [Step("cut", None, None, True, "Format error: unclosed <tool_call> tag", "e", 900)] * 5
+    assert rollout_metrics([stuck, scored(1.0), scored(0.0)])["error_loop_frac"] == pytest.approx(1 / 3)
 
 
 def test_untied_groups_are_the_ones_with_a_signal():

@@ -2,7 +2,8 @@
 
 metrics.jsonl, one object per rollout step (design.md "Run directory"):
   rollout   success_rate, reward_mean, penalty_context, penalty_redundancy, penalty_format,
-            num_steps, num_redundant (means over played episodes), num_crashed (episodes lost to a fault)
+            num_steps, num_redundant (means over played episodes), num_crashed (episodes lost to a fault),
+            error_loop_frac (episodes not won whose last 5 turns all failed: common/trajectory.py)
   memory    peak_working_tokens, num_compress, num_read, num_segments (means per trajectory),
             num_compress_rejected (CompressExperience calls the tool refused), num_read_miss (reads of an
             index the store does not hold)
@@ -40,6 +41,7 @@ WANDB_NAMES = {
     "num_redundant": "rollout/num_redundant", "peak_working_tokens": "memory/peak_working_tokens",
     "num_compress": "memory/num_compress", "num_read": "memory/num_read", "num_segments": "memory/num_segments",
     "num_compress_rejected": "memory/num_compress_rejected", "num_read_miss": "memory/num_read_miss",
+    "error_loop_frac": "rollout/error_loop_frac",
     "segments_per_update": "charts/segments_per_update", "later_segment_token_share": "charts/later_segment_token_share",
     "loss": "loss/total", "pg_loss": "loss/policy", "kl": "loss/kl", "approx_kl": "loss/approx_kl",
     "entropy": "loss/entropy",
@@ -54,12 +56,12 @@ def _per_trajectory(traj: Trajectory) -> list[float]:
     s, r = traj.stats, traj.reward
     return [float(traj.success), r["total"], r["context"], r["redundancy"], r["format"], s["num_steps"],
             s["num_redundant"], s["peak_working_tokens"], s["num_compress"], s["num_read"], len(traj.segments),
-            s["num_compress_rejected"], s["num_read_miss"], float(traj.crashed)]
+            s["num_compress_rejected"], s["num_read_miss"], float(traj.error_loop), float(traj.crashed)]
 
 
 _ROLLOUT_KEYS = ["success_rate", "reward_mean", "penalty_context", "penalty_redundancy", "penalty_format",
                  "num_steps", "num_redundant", "peak_working_tokens", "num_compress", "num_read", "num_segments",
-                 "num_compress_rejected", "num_read_miss"]
+                 "num_compress_rejected", "num_read_miss", "error_loop_frac"]
 
 
 def rollout_metrics(trajs: list[Trajectory], accelerator=None) -> dict[str, float]:
