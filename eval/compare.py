@@ -1,8 +1,8 @@
 """`memexrl eval compare OUT DIR...`: one table and one chart across `eval alfworld` result directories.
 
 Writes OUT/compare.md (a markdown table: agent, checkpoint, games, success, peak working tokens,
-memory-tool use, redundant actions, format errors, episodes ending in an error loop, reward) and OUT/compare.png (success per run as bars, and success
-against mean peak working tokens, the paper's two axes).
+memory-tool use, redundant actions, format errors, episodes ending in an error loop, reward) and OUT/compare.png
+(success per run as bars, and success against mean peak working tokens, the paper's two axes).
 """
 
 from __future__ import annotations
