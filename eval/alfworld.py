@@ -60,9 +60,14 @@ def aggregate(records: list[dict]) -> dict:
         "num_format_errors_mean": _mean(s["num_format_errors"] for s in stats),
         "num_steps_mean": _mean(s["num_steps"] for s in stats),
         "reward_mean": _mean(r["reward"].get("total", 0.0) for r in records),
-        "error_loop_rate": _mean(ends_in_error_loop(r["success"], [Step(**s) for s in r["steps"]]) for r in records),
+        "error_loop_rate": error_loop_rate(records),
         "end_reasons": dict(sorted(Counter(r["end_reason"] for r in records).items())),
     }
+
+
+def error_loop_rate(records: list[dict]) -> float:
+    """The share of the trajectory JSON records that end in an error loop (common/trajectory.py ERROR_LOOP_TURNS)."""
+    return _mean(ends_in_error_loop(r["success"], [Step(**s) for s in r["steps"]]) for r in records)
 
 
 def eval_games(cfg: Config) -> list[Path]:

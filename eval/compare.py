@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 
 from common.errors import MemexError
-from eval.alfworld import EPISODES_FILE, RESULT_FILE, aggregate
+from common.jsonl import read_jsonl
+from eval.alfworld import EPISODES_FILE, RESULT_FILE, error_loop_rate
 
 COLUMNS = ("run", "agent", "checkpoint", "split", "games", "success %", "peak W (mean)", "peak W (max)",
            "compress/ep", "rejected/ep", "read/ep", "missed/ep", "segments/ep", "redundant/ep", "format err/ep",
@@ -32,9 +33,9 @@ def load_result(directory: str | Path) -> dict:
     episodes = Path(directory) / EPISODES_FILE
     if "error_loop_rate" not in result and episodes.exists():  # a result written before the metric existed
         try:
-            records = [json.loads(line) for line in episodes.read_text().splitlines() if line.strip()]
-            result["error_loop_rate"] = aggregate(records)["error_loop_rate"]
-        except (ValueError, KeyError, TypeError):
+            records = [record for _, record in read_jsonl(episodes, "no episodes", "trajectory JSON lines")]
+            result["error_loop_rate"] = error_loop_rate(records)
+        except (MemexError, KeyError, TypeError):
             pass  # unreadable episodes: the column shows "-"
     return {"run": Path(directory).name, **result}
 
