@@ -100,6 +100,8 @@ class Config:
             (self.demo.eval_max_steps >= 0, "demo.eval_max_steps must be >= 0 (0 = env.max_steps)"),
             (self.expert.max_turn_tokens >= 0, "expert.max_turn_tokens must be >= 0 (0 = rollout.max_new_tokens)"),
             (self.expert.seen_evidence in ("anchor", "facts"), "expert.seen_evidence must be 'anchor' or 'facts'"),
+            (self.expert.reading_archive in ("evidence", "pages"),
+             "expert.reading_archive must be 'evidence' or 'pages'"),
             (0 <= self.sft.validation_fraction < 1, "sft.validation_fraction must be in [0, 1)"),
             (self.sft.per_device_batch_size > 0, "sft.per_device_batch_size must be > 0"),
             (self.sft.gradient_accumulation_steps > 0, "sft.gradient_accumulation_steps must be > 0"),

@@ -164,6 +164,14 @@ class ExpertConfig:
         "block, and where an object was seen is always read back from 'facts' (docs/results.md section 4).",
         "anchor",
     )
+    reading_archive: str = _help(
+        "What the reader-expert (sft/reader_expert.py) archives while it pages through a reading task. 'evidence': "
+        "the AXTree lines of the states that hold the question's planted strings (it knows them; the policy, to whom "
+        "the question is hidden while paging, cannot see why). 'pages' (ours, learnable): every page it read, whole, "
+        "as an anchor-mode block (the paper 4.2: exact evidence copied by anchors) indexed by site and page heading; "
+        "the question then reads the blocks whose pages hold the answer (docs/results.md section 3).",
+        "evidence",
+    )
     rejected_compress_rate: float = _help(
         "Chance, at each compression, that the expert first sends a CompressExperience that is rejected "
         "(half by the tool: a wrong or missing anchor, an index twice; half by the parser: a cut call, "

@@ -15,6 +15,11 @@ does with what it sees:
   over (memory/tools.py's reminder).
 - the question: read the blocks that hold a planted string not read yet, best first, at most the task's
   `max_reads`; then finish.
+With `expert.reading_archive: pages` (ours; the default "evidence" is the above) the choice of what to archive no
+longer uses the hidden `evidence_states`: each compression archives every page in the working context, whole, as an
+anchor-mode block (the paper's section 4.2: exact evidence copied by start/mid/end anchors, a short call however long
+the page) under an index named after the site and the page's heading, described by the headings and states it
+holds. What a policy sees while paging decides it, so the SFT can imitate it; the question phase is unchanged.
 The demonstrations are kept when every planted string reached the reader (`success`, rewards/reading.py).
 """
 
@@ -24,6 +29,7 @@ import re
 
 from common.engine import GenerationRequest
 from envs.reading import LAST_PAGE_NOTE
+from memory.anchors import extract_span
 from memory.catalog import what_it_holds
 from memory.parsing import COMPRESS, EXECUTE_ACTION, FINISH, READ, render_tool_call
 from rewards.reading import evidence_found
@@ -37,6 +43,9 @@ MAX_PAGES_CHARS = 400
 MAX_BLOCK_LINES = 6
 MAX_LINE_CHARS = 120
 EARLY_SHARE = 0.6  # compress before the next page once the call would take this share of a turn's tokens
+PAGES_EARLY_SHARE = 0.7  # the same for whole-page anchor blocks: ~100 tokens a page (block and index-map line)
+ANCHOR_CHARS = 60  # an anchor: at most this many characters of a page's first, heading and last lines
+_SITE_RE = re.compile(r"url https?://([a-z0-9-]+)")
 
 
 def slug(text: str, limit: int = 40) -> str:
@@ -85,12 +94,48 @@ def evidence_block(states: list[dict], planted: list, taken: set[str]) -> tuple[
     return index, {"db_index": index, "db_content": content}, f"{pages} ({', '.join(dict.fromkeys(fields[:3]))})"
 
 
+def page_text(observation: str) -> str:
+    """A `next` observation without its notes and context status: the page as it stands in the context."""
+    return observation.split("\n\n" + LAST_PAGE_NOTE)[0].split("\n\n[Context Status")[0].strip()
+
+
+def page_block(page: str, source: str | list[str], taken: set[str]) -> tuple[str, dict, str] | None:
+    """(index, anchor-mode block, what it holds) archiving one whole page (expert.reading_archive "pages"): from its
+    first line (a trajectory's goal or a state's header) to its last line, through the first state's heading; None
+    when the page shows no state or the anchors would not pick exactly this page out of `source` (what the tool
+    searches: WorkingContext.anchor_source)."""
+    shown = states_in(page)
+    if not shown:
+        return None
+    lines = [ln.strip() for ln in page.splitlines() if ln.strip()]
+    mid = next((ln for ln in lines if "heading '" in ln), lines[1])[:ANCHOR_CHARS]
+    found = None
+    for chars in range(ANCHOR_CHARS // 2, 4 * ANCHOR_CHARS + 1, 10):  # the shortest anchors that pick the page out
+        start, end = page[:chars].strip(), page[-chars:].strip()
+        if extract_span(source, start, mid, end) == page:
+            found = start, end
+            break
+    if found is None:
+        return None
+    start, end = found
+    headings = list(dict.fromkeys(heading_of(st["body"]) or f"state {st['state']}" for st in shown))
+    site = _SITE_RE.search(page)
+    base = slug(f"{site.group(1) if site else ''} {headings[0]}")
+    index, n = base, 2
+    while index in taken:
+        index, n = f"{base}-{n}", n + 1
+    states = f"{shown[0]['state']}-{shown[-1]['state']}" if len(shown) > 1 else str(shown[0]["state"])
+    what = f"{' / '.join(headings)} (states {states})"
+    return index, {"db_index": index, "start_anchor": start, "mid_anchor": mid, "end_anchor": end}, what
+
+
 class ReaderExpertEngine(ScriptedEngine):
     """The reader-expert as an engine: each request's episode (`req.state`) decides the next turn."""
 
-    def __init__(self, tokenizer, warn_ratio: float = 0.8):
+    def __init__(self, tokenizer, warn_ratio: float = 0.8, archive: str = "evidence"):
         super().__init__(tokenizer, {})
         self.warn_ratio = warn_ratio
+        self.archive = archive  # expert.reading_archive
 
     def generate(self, requests: list[GenerationRequest]):
         for req in requests:
@@ -113,8 +158,10 @@ class ReaderExpertEngine(ScriptedEngine):
         compressed_last = bool(steps) and steps[-1].compressed
         full = ep.context.working_tokens > self.warn_ratio * ep.context.threshold
         if not compressed_last:
-            call = self._compress(ep, task.get("evidence_states", []), budget)
-            if full or LAST_PAGE_NOTE in last or self._tokens(call) > EARLY_SHARE * budget:
+            compress = self._compress_pages if self.archive == "pages" else self._compress
+            call = compress(ep, task.get("evidence_states", []), budget)
+            early = PAGES_EARLY_SHARE if self.archive == "pages" else EARLY_SHARE
+            if full or LAST_PAGE_NOTE in last or self._tokens(call) > early * budget:
                 return call
         if LAST_PAGE_NOTE in last or compressed_last and any(LAST_PAGE_NOTE in s.observation for s in steps[-3:]):
             return render_tool_call(EXECUTE_ACTION, {"action": "next"}, "Everything is archived: the question.")
@@ -134,11 +181,9 @@ class ReaderExpertEngine(ScriptedEngine):
                 blocks.append(block)
                 lines.append(f"- {index}: {what}")
         if not blocks:  # nothing a question asks about: where the agent went, for the procedure questions
-            index = f"{PAGES_INDEX}-{len(ep.context.segments)}"
-            visited = " > ".join(dict.fromkeys(heading_of(s["body"]) or "page" for s in shown))
-            goals = [f"Trajectory {m.group(2)}: {m.group(3)} Outcome: {m.group(4)}" for m in _GOAL_RE.finditer(text)]
-            blocks.append({"db_index": index, "db_content": "\n".join([*goals, f"Pages: {visited}"])[:MAX_PAGES_CHARS]})
-            lines.append(f"- {index}: the pages visited ({visited[:60]})")
+            index, block, what = self._visited_block(ep)
+            blocks.append(block)
+            lines.append(f"- {index}: {what}")
         pages = [i for i in ep.store.indices() if i.startswith(PAGES_INDEX + "-")]
         earlier = [f"- {i}: {what_it_holds(i, ep.store.read(i).description)}" for i in ep.store.indices()
                    if i not in pages] + ([f"- {', '.join(pages)}: the pages visited earlier"] if pages else [])
@@ -146,6 +191,42 @@ class ReaderExpertEngine(ScriptedEngine):
         summary = (f"Read pages of {', '.join(seen) or 'the trajectories'}; archived what a question may ask.\n"
                    "Index map:\n" + "\n".join(earlier + lines))
         thought = "My working context is filling up: I archive the values I saw."
+        return self._fit(COMPRESS, {"summary": summary, "db_blocks": blocks}, thought, budget)
+
+    @staticmethod
+    def _visited_block(ep) -> tuple[str, dict, str]:
+        """(index, explicit block, what it holds): the goals and the pages visited in the working context."""
+        text = "\n\n".join(m["content"] for m in ep.context.messages[2:] if m["role"] != "assistant")
+        index = f"{PAGES_INDEX}-{len(ep.context.segments)}"
+        visited = " > ".join(dict.fromkeys(heading_of(s["body"]) or "page" for s in states_in(text)))
+        goals = [f"Trajectory {m.group(2)}: {m.group(3)} Outcome: {m.group(4)}" for m in _GOAL_RE.finditer(text)]
+        content = "\n".join([*goals, f"Pages: {visited}"])[:MAX_PAGES_CHARS]
+        return index, {"db_index": index, "db_content": content}, f"the pages visited ({visited[:60]})"
+
+    def _compress_pages(self, ep, planted: list, budget: int) -> str:
+        """expert.reading_archive "pages": every page in the working context as its own anchor-mode block; the
+        summary's index map describes the new blocks and counts the earlier ones (`planted` is not used)."""
+        source = ep.context.anchor_source()
+        taken = set(ep.store.indices())
+        blocks, lines, seen = [], [], []
+        for message in ep.context.messages[2:]:
+            if message["role"] == "assistant":
+                continue
+            found = page_block(page_text(message["content"]), source, taken)
+            if found is not None:
+                index, block, what = found
+                taken.add(index)
+                blocks.append(block)
+                lines.append(f"- {index}: {what}")
+                seen.append(states_in(page_text(message["content"]))[0]["trajectory"])
+        if not blocks:  # no page the anchors pick out: where the agent went, as the evidence mode's `pages-N`
+            index, block, what = self._visited_block(ep)
+            blocks, lines = [block], [f"- {index}: {what}"]
+        held = ep.store.indices()  # named by count and range: a list of every name would grow the summary each page
+        earlier = [f"- earlier pages: {len(held)} blocks, {held[0]} to {held[-1]}"] if held else []
+        summary = (f"Read pages of {', '.join(dict.fromkeys(seen)) or 'the trajectories'}; archived each page whole.\n"
+                   "Index map:\n" + "\n".join(earlier + lines))
+        thought = "My working context is filling up: I archive the pages I read."
         return self._fit(COMPRESS, {"summary": summary, "db_blocks": blocks}, thought, budget)
 
     def _tokens(self, text: str) -> int:

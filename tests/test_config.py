@@ -37,6 +37,7 @@ def test_overrides_and_round_trip(tmp_path):
         (["memory.threshold=0"], "memory.threshold must be > 0"),
         (["env.look_once=3"], "env.look_once must be bool"),
         (["rollout.engine=magic"], "rollout.engine"),
+        (["expert.reading_archive=everything"], "expert.reading_archive must be 'evidence' or 'pages'"),
         (["memory=3"], "memory must be a mapping"),
         (["nothing"], "section.key=value"),
     ],

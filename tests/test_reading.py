@@ -192,16 +192,16 @@ def test_grpo_trains_on_reading_tasks_unchanged(tasks_dir, tiny_eos_model, tmp_p
     assert record["step"] == 1 and record["penalty_context"] > 0
 
 
-def test_the_reader_expert_archives_the_evidence_and_reads_it_back(tasks_dir, smol_tokenizer):
-    """The SFT warm start's demonstrations (sft/reader_expert.py): compress past 0.8 T, read what the question
-    needs from the catalog; with 400-token turns it gets every planted string to the reader in most tasks."""
+def _reader_expert_wins(tasks_dir, tokenizer, archive: str) -> list:
+    """The reader-expert's episodes on the fixture's tasks that brought every planted string to the reader, after
+    checking what every one of them must show: accepted compressions, 1..max_reads hit reads, one page past T."""
     from sft.reader_expert import ReaderExpertEngine
 
     cfg = load_config(None, ["env.max_steps=60", "memory.threshold=1500", "rollout.max_new_tokens=400"])
     games = read_games_file(tasks_dir / GAMES_FILE)
     with open_envs(cfg, 1) as envs:
-        trajs = run_episodes([(f"g{i}", str(g)) for i, g in enumerate(games)], ReaderExpertEngine(smol_tokenizer),
-                             envs, make_renderer(smol_tokenizer, cfg), cfg)
+        trajs = run_episodes([(f"g{i}", str(g)) for i, g in enumerate(games)],
+                             ReaderExpertEngine(tokenizer, archive=archive), envs, make_renderer(tokenizer, cfg), cfg)
     score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
     won = [t for t in trajs if t.success]
     assert len(won) >= 5
@@ -210,6 +210,28 @@ def test_the_reader_expert_archives_the_evidence_and_reads_it_back(tasks_dir, sm
         assert s["num_compress"] >= 1 and s["num_compress_rejected"] == 0 and s["num_format_errors"] == 0
         assert 1 <= s["num_read"] <= t.task["max_reads"] and s["num_read_miss"] == 0 and t.end_reason == "finish"
         assert s["peak_working_tokens"] <= cfg.memory.threshold + 400  # one page past the warning at most
+    return won
+
+
+def test_the_reader_expert_archives_the_evidence_and_reads_it_back(tasks_dir, smol_tokenizer):
+    """The SFT warm start's demonstrations (sft/reader_expert.py): compress past 0.8 T, read what the question
+    needs from the catalog; with 400-token turns it gets every planted string to the reader in most tasks."""
+    _reader_expert_wins(tasks_dir, smol_tokenizer, "evidence")
+
+
+def test_the_pages_reader_expert_archives_every_page_it_read_whole(tasks_dir, smol_tokenizer):
+    """expert.reading_archive "pages": what is archived does not depend on the hidden evidence -- every page shown
+    before the question is in the store verbatim, copied by anchor-mode blocks (no db_content written out) -- and
+    the question still brings every planted string back in most tasks."""
+    from sft.reader_expert import page_text
+
+    for t in _reader_expert_wins(tasks_dir, smol_tokenizer, "pages"):
+        asked = t.task["question_step"]
+        blocks = [b for s in t.steps[:asked] if s.tool == "CompressExperience" for b in s.arguments["db_blocks"]]
+        assert blocks and all(set(b) == {"db_index", "start_anchor", "mid_anchor", "end_anchor"} for b in blocks)
+        pages = [page_text(s.observation) for s in t.steps[:asked] if s.tool == "execute_action"]
+        archived = "\n".join(t.experience.values())
+        assert all(page in archived for page in pages if page.startswith(("State", "Trajectory")))
 
 
 def test_an_index_is_described_by_its_own_index_map_line_only(tasks_dir, cfg, smol_tokenizer):
