@@ -44,7 +44,7 @@ MAX_BLOCK_LINES = 6
 MAX_LINE_CHARS = 120
 EARLY_SHARE = 0.6  # compress before the next page once the call would take this share of a turn's tokens
 PAGES_EARLY_SHARE = 0.7  # the same for whole-page anchor blocks: ~100 tokens a page (block and index-map line)
-ANCHOR_CHARS = 60  # an anchor: at most this many characters of a page's first, heading and last lines
+ANCHOR_CHARS = 60  # mid anchor: this much of the heading line; start/end: half of it, longer where that recurs
 _SITE_RE = re.compile(r"url https?://([a-z0-9-]+)")
 
 
@@ -212,13 +212,14 @@ class ReaderExpertEngine(ScriptedEngine):
         for message in ep.context.messages[2:]:
             if message["role"] == "assistant":
                 continue
-            found = page_block(page_text(message["content"]), source, taken)
+            page = page_text(message["content"])
+            found = page_block(page, source, taken)
             if found is not None:
                 index, block, what = found
                 taken.add(index)
                 blocks.append(block)
                 lines.append(f"- {index}: {what}")
-                seen.append(states_in(page_text(message["content"]))[0]["trajectory"])
+                seen.append(states_in(page)[0]["trajectory"])
         if not blocks:  # no page the anchors pick out: where the agent went, as the evidence mode's `pages-N`
             index, block, what = self._visited_block(ep)
             blocks, lines = [block], [f"- {index}: {what}"]
