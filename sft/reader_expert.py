@@ -53,13 +53,18 @@ def slug(text: str, limit: int = 40) -> str:
     return "-".join(re.findall(r"[a-z0-9]+", text.lower()))[:limit].strip("-") or "page"
 
 
+def page_text(observation: str) -> str:
+    """A `next` observation (or a state's part of it) without the notes and context status after it."""
+    return observation.split("\n\n" + LAST_PAGE_NOTE)[0].split("\n\n[Context Status")[0].strip()
+
+
 def states_in(text: str) -> list[dict]:
     """The states a page shows: {"header", "body"} each (envs/lme_records.py render_state's layout)."""
     marks = list(_STATE_RE.finditer(text))
     out = []
     for i, m in enumerate(marks):
         end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
-        body = text[m.end():end].split("\n\n" + LAST_PAGE_NOTE)[0].split("\n\n[Context Status")[0]
+        body = page_text(text[m.end():end])
         out.append({"header": m.group(0), "trajectory": m.group(2), "state": int(m.group(1)), "body": body})
     return out
 
@@ -94,11 +99,6 @@ def evidence_block(states: list[dict], planted: list, taken: set[str]) -> tuple[
     return index, {"db_index": index, "db_content": content}, f"{pages} ({', '.join(dict.fromkeys(fields[:3]))})"
 
 
-def page_text(observation: str) -> str:
-    """A `next` observation without its notes and context status: the page as it stands in the context."""
-    return observation.split("\n\n" + LAST_PAGE_NOTE)[0].split("\n\n[Context Status")[0].strip()
-
-
 def page_block(page: str, source: str | list[str], taken: set[str]) -> tuple[str, dict, str] | None:
     """(index, anchor-mode block, what it holds) archiving one whole page (expert.reading_archive "pages"): from its
     first line (a trajectory's goal or a state's header) to its last line, through the first state's heading; None
@@ -129,13 +129,20 @@ def page_block(page: str, source: str | list[str], taken: set[str]) -> tuple[str
     return index, {"db_index": index, "start_anchor": start, "mid_anchor": mid, "end_anchor": end}, what
 
 
+def _observations(ep) -> list[str]:
+    """The working context's messages the agent did not write: the pages, summaries and read-backs."""
+    return [m["content"] for m in ep.context.messages[2:] if m["role"] != "assistant"]
+
+
 class ReaderExpertEngine(ScriptedEngine):
     """The reader-expert as an engine: each request's episode (`req.state`) decides the next turn."""
 
     def __init__(self, tokenizer, warn_ratio: float = 0.8, archive: str = "evidence"):
         super().__init__(tokenizer, {})
         self.warn_ratio = warn_ratio
-        self.archive = archive  # expert.reading_archive
+        pages = archive == "pages"  # expert.reading_archive
+        self._compress_call = self._compress_pages if pages else self._compress
+        self._early_share = PAGES_EARLY_SHARE if pages else EARLY_SHARE
 
     def generate(self, requests: list[GenerationRequest]):
         for req in requests:
@@ -158,18 +165,15 @@ class ReaderExpertEngine(ScriptedEngine):
         compressed_last = bool(steps) and steps[-1].compressed
         full = ep.context.working_tokens > self.warn_ratio * ep.context.threshold
         if not compressed_last:
-            compress = self._compress_pages if self.archive == "pages" else self._compress
-            call = compress(ep, task.get("evidence_states", []), budget)
-            early = PAGES_EARLY_SHARE if self.archive == "pages" else EARLY_SHARE
-            if full or LAST_PAGE_NOTE in last or self._tokens(call) > early * budget:
+            call = self._compress_call(ep, task.get("evidence_states", []), budget)
+            if full or LAST_PAGE_NOTE in last or self._tokens(call) > self._early_share * budget:
                 return call
         if LAST_PAGE_NOTE in last or compressed_last and any(LAST_PAGE_NOTE in s.observation for s in steps[-3:]):
             return render_tool_call(EXECUTE_ACTION, {"action": "next"}, "Everything is archived: the question.")
         return render_tool_call(EXECUTE_ACTION, {"action": "next"})
 
     def _compress(self, ep, planted: list, budget: int) -> str:
-        working = [m["content"] for m in ep.context.messages[2:] if m["role"] != "assistant"]
-        text = "\n\n".join(working)
+        text = "\n\n".join(_observations(ep))
         taken = set(ep.store.indices())
         blocks, lines = [], []
         shown = states_in(text)
@@ -196,7 +200,7 @@ class ReaderExpertEngine(ScriptedEngine):
     @staticmethod
     def _visited_block(ep) -> tuple[str, dict, str]:
         """(index, explicit block, what it holds): the goals and the pages visited in the working context."""
-        text = "\n\n".join(m["content"] for m in ep.context.messages[2:] if m["role"] != "assistant")
+        text = "\n\n".join(_observations(ep))
         index = f"{PAGES_INDEX}-{len(ep.context.segments)}"
         visited = " > ".join(dict.fromkeys(heading_of(s["body"]) or "page" for s in states_in(text)))
         goals = [f"Trajectory {m.group(2)}: {m.group(3)} Outcome: {m.group(4)}" for m in _GOAL_RE.finditer(text)]
@@ -209,10 +213,8 @@ class ReaderExpertEngine(ScriptedEngine):
         source = ep.context.anchor_source()
         taken = set(ep.store.indices())
         blocks, lines, seen = [], [], []
-        for message in ep.context.messages[2:]:
-            if message["role"] == "assistant":
-                continue
-            page = page_text(message["content"])
+        for observation in _observations(ep):
+            page = page_text(observation)
             found = page_block(page, source, taken)
             if found is not None:
                 index, block, what = found
