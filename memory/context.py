@@ -86,10 +86,13 @@ class ChatRenderer:
         return {"role": self.observation_role, "content": content}
 
 
+STATUS_OPEN = "[Context Status:"  # the first line of the status; `with_status` puts a blank line before it
+
+
 def status_lines(working: int, threshold: int, warn_ratio: float, n_messages: int, indices: list[str]) -> str:
     """The context status appended after every observation (memex.md "Context status")."""
     lines = [
-        f"[Context Status: working tokens={working}, threshold={threshold}]",
+        f"{STATUS_OPEN} working tokens={working}, threshold={threshold}]",
         f"[Message Count: {n_messages} messages]",
     ]
     if indices:
@@ -103,6 +106,14 @@ def status_lines(working: int, threshold: int, warn_ratio: float, n_messages: in
     return "\n".join(lines)
 
 
+_STATUS_GAP = "\n\n"
+
+
+def without_status(observation: str) -> str:
+    """An observation as the environment wrote it: the text before the context status `with_status` appended."""
+    return observation.split(_STATUS_GAP + STATUS_OPEN, 1)[0]
+
+
 def with_status(body: str, measure: Callable[[str], int], status: Callable[[int], str]) -> tuple[str, int]:
     """Append the status of W to `body`, where W counts the message including that status.
 
@@ -112,7 +123,7 @@ def with_status(body: str, measure: Callable[[str], int], status: Callable[[int]
     working = measure(body)
     text = body
     for _ in range(4):
-        text = f"{body}\n\n{status(working)}"
+        text = f"{body}{_STATUS_GAP}{status(working)}"
         measured = measure(text)
         if measured == working:
             break

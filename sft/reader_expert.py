@@ -31,6 +31,7 @@ from common.engine import GenerationRequest
 from envs.reading import LAST_PAGE_NOTE
 from memory.anchors import extract_span
 from memory.catalog import what_it_holds
+from memory.context import without_status
 from memory.parsing import COMPRESS, EXECUTE_ACTION, FINISH, READ, render_tool_call
 from rewards.reading import evidence_found
 from rollout.scripted import ScriptedEngine
@@ -55,7 +56,7 @@ def slug(text: str, limit: int = 40) -> str:
 
 def page_text(observation: str) -> str:
     """A `next` observation (or a state's part of it) without the notes and context status after it."""
-    return observation.split("\n\n" + LAST_PAGE_NOTE)[0].split("\n\n[Context Status")[0].strip()
+    return without_status(observation.split("\n\n" + LAST_PAGE_NOTE)[0]).strip()
 
 
 def states_in(text: str) -> list[dict]:

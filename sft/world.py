@@ -14,9 +14,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memory.context import without_status
 from memory.parsing import EXECUTE_ACTION, READ
 
-_STATUS_SPLIT = "\n\n[Context Status:"
 _NOTHING = "Nothing happens."
 _ARGS = [re.compile(p) for p in (
     r"(?:go to|open|close|examine|use) (?P<a>.+)",
@@ -62,7 +62,7 @@ def seen_items(body: str) -> list[str] | None:
 
 def body_of(observation: str) -> str:
     """An observation without the context status the agent loop appends."""
-    return observation.split(_STATUS_SPLIT, 1)[0]
+    return without_status(observation)
 
 
 @dataclass(frozen=True)
