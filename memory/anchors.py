@@ -81,6 +81,16 @@ def _collapsed_span(context: str, start: str, mid: str, end: str) -> str | None:
     return context[source[found[0]] : source[found[1] - 1] + 1]
 
 
+def absent_anchors(context: str | list[str], anchors: dict[str, str]) -> list[str]:
+    """The names of the anchors (name -> text) found in none of the searched texts, exactly or with whitespace
+    collapsed: what a rejected anchor block's error names, so the agent knows which anchor to copy again."""
+    texts = [context] if isinstance(context, str) else context
+    collapsed = [_collapse(text)[0] for text in texts]
+    return [name for name, anchor in anchors.items()
+            if not any(anchor in text for text in texts)
+            and not any(_WS.sub(" ", anchor).strip() in text for text in collapsed)]  # fmt: skip
+
+
 def fill_content(db_content: str | None, extracted: str) -> str:
     """Place the extracted span in db_content: at `{{EXTRACT}}` if present, else appended after it."""
     if not db_content:

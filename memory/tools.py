@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from memory.anchors import extract_span, fill_content
+from memory.anchors import absent_anchors, extract_span, fill_content
 from memory.context import ChatRenderer, WorkingContext
 from memory.parsing import EXAMPLE_CONTENT, decode_json, quote
 from memory.store import BlockWrite, ExperienceStore, is_valid_index
@@ -95,19 +95,30 @@ def _blocks_from_arguments(raw: Any, context_text: str | list[str], summary: str
                 return f"block {quote(index)}: anchors must be strings"
             span = extract_span(context_text, *(block[a] for a in _ANCHORS))
             if span is None:
-                where = "the current context" if isinstance(context_text, str) else (
-                    "any one observation, summary or read-back of the current context (your own messages are "
-                    "not searched)")  # memory.anchor_scope "observations"
-                return (
-                    f"block {quote(index)}: anchors not found in {where} (no span from start_anchor "
-                    f"to end_anchor containing mid_anchor); copy them exactly from the context"
-                )
+                return _anchor_error(index, context_text, {a: block[a] for a in _ANCHORS})
             blocks.append(BlockWrite(index, fill_content(content, span), "anchor", _describe(index, summary)))
         elif content:
             blocks.append(BlockWrite(index, content, "explicit", _describe(index, summary)))
         else:
             return f"block {quote(index)} has neither db_content nor anchors"
     return blocks
+
+
+def _anchor_error(index: str, context_text: str | list[str], anchors: dict[str, str]) -> str:
+    """Why an anchor block found no span: the anchors that occur nowhere, else that none of the searched texts
+    holds start, mid and end in order."""
+    scoped = not isinstance(context_text, str)  # memory.anchor_scope "observations"
+    where = ("any one observation, summary or read-back of the current context (your own messages are not searched)"
+             if scoped else "the current context")
+    source = "one observation" if scoped else "the context"
+    absent = absent_anchors(context_text, anchors)
+    if absent:
+        named = " and ".join(f"{name} {quote(anchors[name])}" for name in absent)
+        verb = "occurs" if len(absent) == 1 else "occur"
+        return (f"block {quote(index)}: anchors not found in {where}: {named} {verb} nowhere; copy anchors exactly "
+                f"from {source}")
+    return (f"block {quote(index)}: anchors not found in {where}: each anchor occurs, but no span from start_anchor "
+            f"to end_anchor containing mid_anchor; copy all three from {source}")
 
 
 def index_line_key(index: str) -> re.Pattern:

@@ -43,6 +43,16 @@ MEMEX_TOOLS = MEMEX_AGENT.tools
 FINISHED_MESSAGE = "Episode finished."
 
 
+def malformed_message(error: str | None, completion: Completion) -> str:
+    """The observation after a format error; a reply that hit the turn's token limit is told so first: its call
+    was cut, not mistyped, and the same call again would be cut again (memex.md P_format counts it either way)."""
+    message = error or "Format error."
+    if completion.finish_reason != "length":
+        return message
+    return (f"Your reply was cut at the turn's limit of {len(completion.token_ids)} tokens before the call ended, so "
+            f"nothing was done; send a shorter call. {message}")
+
+
 class Episode:
     """The agent loop of one episode, driven turn by turn by a runner."""
 
@@ -123,7 +133,7 @@ class Episode:
             working_tokens=0,
         )
         if parsed.kind == "malformed":
-            return self._observe(record, parsed.error or "Format error.")
+            return self._observe(record, malformed_message(parsed.error, completion))
         if parsed.kind == "none":
             return self._observe(record, NO_CALL_MESSAGE)
         args = parsed.arguments or {}

@@ -1,6 +1,6 @@
 """Anchor-mode extraction: verbatim spans, exact match first, then whitespace-collapsed."""
 
-from memory.anchors import extract_span, fill_content
+from memory.anchors import absent_anchors, extract_span, fill_content
 
 CONTEXT = (
     "You arrive at fridge 1. The fridge 1 is closed.\n\n"
@@ -45,3 +45,14 @@ def test_a_list_of_texts_is_searched_one_by_one_and_no_span_crosses_two():
     # An exact match in a later piece wins over a whitespace-collapsed match in an earlier one.
     assert extract_span(["an apple  2 here", "an apple 2 here"], "an apple 2", "apple", "here") == "an apple 2 here"
     assert extract_span(["an apple  2 here"], "an apple 2", "apple", "here") == "an apple  2 here"
+
+
+def test_absent_anchors_names_only_the_anchors_found_nowhere():
+    """What a rejected anchor block's error names: an anchor that occurs in no searched text (exactly or with
+    whitespace collapsed); anchors that occur, even in different texts, are not named."""
+    pieces = CONTEXT.split("\n\n")
+    anchors = {"start_anchor": "You arrive at fridge", "mid_anchor": "lettuce", "end_anchor": "tomato 3."}
+    assert extract_span(pieces, *anchors.values()) is None and absent_anchors(pieces, anchors) == []
+    wrong = dict(anchors, mid_anchor="a zebra", end_anchor="tomato  3.")  # extra space: found once collapsed
+    assert absent_anchors(pieces, wrong) == ["mid_anchor"]
+    assert absent_anchors(CONTEXT, dict(anchors, start_anchor="x1", end_anchor="x2")) == ["start_anchor", "end_anchor"]

@@ -78,6 +78,20 @@ def compress_with(arguments, smol_tokenizer, scope="context", before=()):
     return run_compress(arguments, ctx, store, step=1, summary_max_tokens=300), store
 
 
+def test_a_rejected_anchor_block_says_which_anchor_to_copy_again(smol_tokenizer):
+    """The agent's fix depends on why no span was found: an anchor it did not copy exactly (named, with its
+    text), or anchors that each occur but in no one observation together (memory.anchor_scope observations)."""
+    typo = {"summary": "s", "db_blocks": [{"db_index": "room", "start_anchor": "You are in",
+                                           "mid_anchor": "Looking", "end_anchor": "shelf 9."}]}
+    outcome, store = compress_with(typo, smol_tokenizer, "observations")
+    assert not outcome.compressed and len(store) == 0
+    assert "end_anchor 'shelf 9.' occurs nowhere" in outcome.error and "start_anchor" not in outcome.error
+    split = {"summary": "s", "db_blocks": [{"db_index": "room", "start_anchor": "You are in",
+                                            "mid_anchor": "Looking", "end_anchor": "error: anchors"}]}
+    outcome, _ = compress_with(split, smol_tokenizer, "observations", before=["x"])  # end only in the 2nd observation
+    assert not outcome.compressed and "each anchor occurs" in outcome.error and "one observation" in outcome.error
+
+
 def test_a_rejected_anchor_call_retried_unchanged_matches_its_own_text_only_in_scope_context(smol_tokenizer):
     """memory.anchor_scope: the anchors of a rejected call stay in the context as the agent's own text; in
     scope "context" (memex.md) the unchanged retry copies that text, in "observations" it is rejected again."""

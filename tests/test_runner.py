@@ -71,3 +71,19 @@ def test_crashed_worker_fails_only_its_episode_with_reason(setup):
         (again,) = run_episodes([("c", games[2])], ScriptedEngine(tok, {"c": SCRIPT[:1]}), pool,
                                 make_renderer(tok, cfg), cfg)
         assert again.steps[0].observation.startswith("You are in the middle of a room")
+
+
+def test_a_reply_cut_at_the_turn_limit_is_told_it_was_cut(setup):
+    """A call cut at rollout.max_new_tokens is a format error whose observation says the reply hit the limit and
+    to send a shorter call (a retry of the same call would be cut again); a short malformed call is not told so."""
+    cfg, games, tok = setup
+    cfg = load_config(None, [f"env.data_dir={cfg.env.data_dir}", "memory.threshold=500", "rollout.max_new_tokens=40"])
+    long_call = render_tool_call("CompressExperience", {"summary": "Next: find the mug. " * 30, "db_blocks": []})
+    script = [act("look"), long_call, '<tool_call>{"name": "execute_action"']
+    engine = ScriptedEngine(tok, {"e0": script})
+    with open_envs(cfg, 0) as envs:
+        (traj,) = run_episodes([("e0", games[0])], engine, envs, make_renderer(tok, cfg), cfg)
+    cut, short = traj.steps[1], traj.steps[2]
+    assert cut.format_error and "cut at the turn's limit of 40 tokens" in cut.observation
+    assert "send a shorter call" in cut.observation and "unclosed" in cut.observation
+    assert short.format_error and "cut at" not in short.observation
