@@ -351,10 +351,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """argparse, with config overrides taken wherever they stand: `--out X a.b=1 --samples 3 c.d=2` gives
+    overrides [a.b=1, c.d=2] in that order (plain argparse ends the positional list at the first option after it
+    and rejects the rest). Anything else left over is argparse's usual error."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(item.startswith("-") or "=" not in item for item in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     return_freed_memory()  # before any tensor: CPU runs would otherwise grow step by step (common/malloc.py)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )

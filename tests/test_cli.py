@@ -119,3 +119,23 @@ def test_train_into_a_directory_holding_a_run_stops_before_touching_it(alfworld_
                                   f"train.output_dir={run}", env=env), "give one of them")
     assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
     assert (run / "metrics.jsonl").read_text() == '{"step": 4}\n'
+
+
+def test_overrides_may_follow_options_in_the_order_written():
+    """The configs' headers write `--out X env.max_steps=20 --samples 3 eval.temperature=0.7`: every override is
+    taken, in order (plain argparse rejected the ones after `--samples`); a stray word is still an error."""
+    from memexrl.cli import build_parser, parse_command_line
+
+    parser = build_parser()
+    args = parse_command_line(parser, ["eval", "alfworld", "--checkpoint", "ck", "--out", "o", "env.max_steps=20",
+                                       "--samples", "3", "eval.temperature=0.7", "env.max_steps=16"])
+    assert args.samples == 3 and args.overrides == ["env.max_steps=20", "eval.temperature=0.7", "env.max_steps=16"]
+    with pytest.raises(SystemExit):
+        parse_command_line(parser, ["eval", "alfworld", "--checkpoint", "ck", "a.b=1", "--samples", "3", "stray"])
+    with pytest.raises(SystemExit):
+        parse_command_line(parser, ["data", "alfworld", "--dest", "d", "env.max_steps=20"])  # takes no overrides
+
+
+def test_an_unknown_option_is_one_usage_error(tmp_path):
+    result = memexrl("eval", "alfworld", "--checkpoint", str(tmp_path), "--no-such-option", "a.b=1")
+    assert result.returncode == 2 and "unrecognized arguments: --no-such-option" in result.stderr
