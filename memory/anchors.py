@@ -49,6 +49,11 @@ def _collapse(text: str) -> tuple[str, list[int]]:
     return "".join(out), source
 
 
+def _collapsed_anchor(anchor: str) -> str:
+    """An anchor as the whitespace-collapsed match compares it: runs of whitespace as one space, ends stripped."""
+    return _WS.sub(" ", anchor).strip()
+
+
 def extract_span(context: str | list[str], start: str, mid: str, end: str) -> str | None:
     """The verbatim span of `context` bounded by the anchors, or None when not found.
 
@@ -71,7 +76,7 @@ def _exact_span(context: str, start: str, mid: str, end: str) -> str | None:
 
 def _collapsed_span(context: str, start: str, mid: str, end: str) -> str | None:
     collapsed, source = _collapse(context)
-    anchors = [_WS.sub(" ", a).strip() for a in (start, mid, end)]
+    anchors = [_collapsed_anchor(a) for a in (start, mid, end)]
     if not all(anchors):
         return None
     found = _find_span(collapsed, *anchors)
@@ -88,7 +93,7 @@ def absent_anchors(context: str | list[str], anchors: dict[str, str]) -> list[st
     collapsed = [_collapse(text)[0] for text in texts]
     return [name for name, anchor in anchors.items()
             if not any(anchor in text for text in texts)
-            and not any(_WS.sub(" ", anchor).strip() in text for text in collapsed)]  # fmt: skip
+            and not any(_collapsed_anchor(anchor) in text for text in collapsed)]  # fmt: skip
 
 
 def fill_content(db_content: str | None, extracted: str) -> str:
