@@ -2,13 +2,17 @@
 
 Writes OUT/compare.md (a markdown table: agent, checkpoint, games, success, peak working tokens,
 memory-tool use, redundant actions, format errors, episodes ending in an error loop, reward) and OUT/compare.png
-(success per run as bars, and success against mean peak working tokens, the paper's two axes).
+(success per run as bars, and success against mean peak working tokens, the paper's two axes, with the
+context-penalty threshold T of each run's saved config.yaml drawn as a dashed line: memex.md's goal is a peak at or
+below T).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import yaml
 
 from common.errors import MemexError
 from common.jsonl import read_jsonl
@@ -37,7 +41,16 @@ def load_result(directory: str | Path) -> dict:
             result["error_loop_rate"] = error_loop_rate(records)
         except (MemexError, KeyError, TypeError):
             pass  # unreadable episodes: the column shows "-"
-    return {"run": Path(directory).name, **result}
+    return {"run": Path(directory).name, **result, "memory_threshold": saved_threshold(directory)}
+
+
+def saved_threshold(directory: str | Path) -> int | None:
+    """T (`memory.threshold`) of the config the evaluation saved beside its result; None if it has none."""
+    try:
+        config = yaml.safe_load((Path(directory) / "config.yaml").read_text()) or {}
+        return int(config["memory"]["threshold"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
+        return None  # an older or hand-made result directory: the chart has no T line
 
 
 def row(result: dict) -> list[str]:
@@ -83,6 +96,9 @@ def plot(results: list[dict], path: Path) -> None:
     scatter.scatter(peak, success, color="tab:orange")
     for name, x, y in zip(names, peak, success):
         scatter.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for threshold in sorted({r["memory_threshold"] for r in results} - {None}):
+        scatter.axvline(threshold, color="tab:gray", linestyle="--", linewidth=1)
+        scatter.annotate(f"T = {threshold}", (threshold, 95), textcoords="offset points", xytext=(4, 0), fontsize=8)
     scatter.set_xlabel("peak working tokens (mean per episode)")
     scatter.set_ylabel("success (%)")
     scatter.set_ylim(-2, 100)

@@ -12,6 +12,7 @@ from common.config import load_config  # noqa: E402
 from common.trajectory import Segment, Step, Trajectory  # noqa: E402
 from envs.data import TASK_TYPES, task_type_of  # noqa: E402
 from eval.alfworld import RESULT_FILE, aggregate, eval_games  # noqa: E402
+from eval.compare import load_result  # noqa: E402
 from eval.m2_insights import InsightBank, distill, strip_ids  # noqa: E402
 from memexrl.cli import main  # noqa: E402
 
@@ -218,6 +219,10 @@ def test_compare_writes_a_table_and_a_chart(tmp_path, capsys):
     png = (tmp_path / "cmp" / "compare.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert table in capsys.readouterr().out
+    # the chart's T line comes from the config the evaluation saved; a directory without one has none
+    (tmp_path / "memex" / "config.yaml").write_text("memory:\n  threshold: 800\n")
+    assert load_result(tmp_path / "memex")["memory_threshold"] == 800
+    assert load_result(tmp_path / "full")["memory_threshold"] is None
     # a result written before the error-loop metric existed: the column comes from its episodes
     old = tmp_path / "old"
     write_result(old, "memex", [False], [900])
