@@ -96,6 +96,22 @@ def absent_anchors(context: str | list[str], anchors: dict[str, str]) -> list[st
             and not any(_collapsed_anchor(anchor) in text for text in collapsed)]  # fmt: skip
 
 
+def line_end_after(context: str | list[str], start: str, mid: str, words: int = 3) -> str | None:
+    """In the first searched text where start_anchor is followed by mid_anchor (exactly), the last `words` words of
+    mid_anchor's line; None if no text has both. What a rejected anchor block whose start and mid occur is told
+    (memory/tools.py): the end anchor is the one the policy guesses (the room overview's last receptacle, ~600
+    tokens back: docs/results.md section 4), and the line's end is an end anchor that spans it."""
+    for text in [context] if isinstance(context, str) else context:
+        s = text.find(start) if start else -1
+        m = text.find(mid, s) if s >= 0 and mid else -1
+        if m < 0:
+            continue
+        stop = text.find("\n", m + len(mid))
+        tail = text[m : stop if stop >= 0 else len(text)].split()[-words:]
+        return " ".join(tail) or None
+    return None
+
+
 def fill_content(db_content: str | None, extracted: str) -> str:
     """Place the extracted span in db_content: at `{{EXTRACT}}` if present, else appended after it."""
     if not db_content:

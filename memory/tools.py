@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from memory.anchors import absent_anchors, extract_span, fill_content
+from memory.anchors import absent_anchors, extract_span, fill_content, line_end_after
 from memory.context import ChatRenderer, WorkingContext
 from memory.parsing import EXAMPLE_CONTENT, decode_json, quote
 from memory.store import BlockWrite, ExperienceStore, is_valid_index
@@ -106,19 +106,22 @@ def _blocks_from_arguments(raw: Any, context_text: str | list[str], summary: str
 
 def _anchor_error(index: str, context_text: str | list[str], anchors: dict[str, str]) -> str:
     """Why an anchor block found no span: the anchors that occur nowhere, else that none of the searched texts
-    holds start, mid and end in order."""
+    holds start, mid and end in order; and, where start_anchor is followed by mid_anchor, how that line ends
+    (an end anchor that would span it)."""
     scoped = not isinstance(context_text, str)  # memory.anchor_scope "observations"
     where = ("any one observation, summary or read-back of the current context (your own messages are not searched)"
              if scoped else "the current context")
     source = "one observation" if scoped else "the context"
+    tail = line_end_after(context_text, anchors["start_anchor"], anchors["mid_anchor"])
+    hint = f" (where start_anchor is followed by mid_anchor, that line ends with {quote(tail)})" if tail else ""
     absent = absent_anchors(context_text, anchors)
     if absent:
         named = " and ".join(f"{name} {quote(anchors[name])}" for name in absent)
         verb = "occurs" if len(absent) == 1 else "occur"
         return (f"block {quote(index)}: anchors not found in {where}: {named} {verb} nowhere; copy anchors exactly "
-                f"from {source}")
+                f"from {source}{hint}")
     return (f"block {quote(index)}: anchors not found in {where}: each anchor occurs, but no span from start_anchor "
-            f"to end_anchor containing mid_anchor; copy all three from {source}")
+            f"to end_anchor containing mid_anchor; copy all three from {source}{hint}")
 
 
 def index_line_key(index: str) -> re.Pattern:

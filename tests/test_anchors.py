@@ -1,6 +1,6 @@
 """Anchor-mode extraction: verbatim spans, exact match first, then whitespace-collapsed."""
 
-from memory.anchors import absent_anchors, extract_span, fill_content
+from memory.anchors import absent_anchors, extract_span, fill_content, line_end_after
 
 CONTEXT = (
     "You arrive at fridge 1. The fridge 1 is closed.\n\n"
@@ -56,3 +56,12 @@ def test_absent_anchors_names_only_the_anchors_found_nowhere():
     wrong = dict(anchors, mid_anchor="a zebra", end_anchor="tomato  3.")  # extra space: found once collapsed
     assert absent_anchors(pieces, wrong) == ["mid_anchor"]
     assert absent_anchors(CONTEXT, dict(anchors, start_anchor="x1", end_anchor="x2")) == ["start_anchor", "end_anchor"]
+
+
+def test_line_end_after_gives_the_end_of_the_line_after_start_and_mid():
+    """The hint of a rejected anchor block: where start_anchor is followed by mid_anchor, how mid's line ends."""
+    pieces = CONTEXT.split("\n\n")
+    assert line_end_after(pieces, "You open", "lettuce") == "a tomato 3."
+    assert line_end_after(CONTEXT, "You open", "lettuce", words=2) == "tomato 3."  # scope "context": one string
+    assert line_end_after(pieces, "lettuce", "You open") is None  # mid only before start: no such line
+    assert line_end_after(pieces, "You open", "zebra") is None and line_end_after(pieces, "", "apple") is None

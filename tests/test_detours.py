@@ -85,11 +85,17 @@ def test_a_rejected_anchor_block_says_which_anchor_to_copy_again(smol_tokenizer)
                                            "mid_anchor": "Looking", "end_anchor": "shelf 9."}]}
     outcome, store = compress_with(typo, smol_tokenizer, "observations")
     assert not outcome.compressed and len(store) == 0
-    assert "end_anchor 'shelf 9.' occurs nowhere" in outcome.error and "start_anchor" not in outcome.error
+    assert "end_anchor 'shelf 9.' occurs nowhere" in outcome.error and "start_anchor '" not in outcome.error
+    # the guessed end anchor is the usual mistake: the error says how the overview's line really ends
+    assert outcome.error.endswith("that line ends with 'a shelf 1.')")
     split = {"summary": "s", "db_blocks": [{"db_index": "room", "start_anchor": "You are in",
                                             "mid_anchor": "Looking", "end_anchor": "error: anchors"}]}
     outcome, _ = compress_with(split, smol_tokenizer, "observations", before=["x"])  # end only in the 2nd observation
     assert not outcome.compressed and "each anchor occurs" in outcome.error and "one observation" in outcome.error
+    assert "that line ends with 'a shelf 1.'" in outcome.error
+    fixed = {"summary": "s", "db_blocks": [dict(split["db_blocks"][0], end_anchor="a shelf 1.")]}
+    outcome, store = compress_with(fixed, smol_tokenizer, "observations", before=["x"])  # the retry the hint asks for
+    assert outcome.compressed and store.read("room").content.endswith("and a shelf 1.")
 
 
 def test_a_rejected_anchor_call_retried_unchanged_matches_its_own_text_only_in_scope_context(smol_tokenizer):
