@@ -102,6 +102,8 @@ class Config:
             (self.expert.seen_evidence in ("anchor", "facts"), "expert.seen_evidence must be 'anchor' or 'facts'"),
             (self.expert.reading_archive in ("evidence", "pages"),
              "expert.reading_archive must be 'evidence' or 'pages'"),
+            (self.expert.reading_query in ("evidence", "catalog"),
+             "expert.reading_query must be 'evidence' or 'catalog'"),
             (0 <= self.sft.validation_fraction < 1, "sft.validation_fraction must be in [0, 1)"),
             (self.sft.per_device_batch_size > 0, "sft.per_device_batch_size must be > 0"),
             (self.sft.gradient_accumulation_steps > 0, "sft.gradient_accumulation_steps must be > 0"),

@@ -172,6 +172,13 @@ class ExpertConfig:
         "the question then reads the blocks whose pages hold the answer (docs/results.md section 3).",
         "evidence",
     )
+    reading_query: str = _help(
+        "Which blocks the reader-expert reads back at the question. 'evidence': those holding a planted string not "
+        "read yet, most first (it knows them; the policy sees only the question and the catalog, so the choice "
+        "cannot be imitated: docs/results.md section 3). 'catalog' (ours, learnable): the catalog's first "
+        "`max_reads` entries in the order shown (memory/catalog.py: bm25 of the question first), then finish.",
+        "evidence",
+    )
     rejected_compress_rate: float = _help(
         "Chance, at each compression, that the expert first sends a CompressExperience that is rejected "
         "(half by the tool: a wrong or missing anchor, an index twice; half by the parser: a cut call, "

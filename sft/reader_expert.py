@@ -19,7 +19,10 @@ With `expert.reading_archive: pages` (ours; the default "evidence" is the above)
 longer uses the hidden `evidence_states`: each compression archives every page in the working context, whole, as an
 anchor-mode block (the paper's section 4.2: exact evidence copied by start/mid/end anchors, a short call however long
 the page) under an index named after the site and the page's heading, described by the headings and states it
-holds. What a policy sees while paging decides it, so the SFT can imitate it; the question phase is unchanged.
+holds. What a policy sees while paging decides it, so the SFT can imitate it. With `expert.reading_query: catalog`
+(ours; the default "evidence" is the above) the question phase no longer uses the hidden planted strings either: it
+reads the catalog's first `max_reads` entries in the order the catalog shows them (bm25 of the question first,
+memory/catalog.py), then finishes.
 The demonstrations are kept when every planted string reached the reader (`success`, rewards/reading.py).
 """
 
@@ -30,7 +33,7 @@ import re
 from common.engine import GenerationRequest
 from envs.reading import LAST_PAGE_NOTE
 from memory.anchors import extract_span
-from memory.catalog import what_it_holds
+from memory.catalog import CATALOG_HEADER, what_it_holds
 from memory.context import without_status
 from memory.parsing import COMPRESS, EXECUTE_ACTION, FINISH, READ, render_tool_call
 from rewards.reading import evidence_found
@@ -46,6 +49,7 @@ MAX_LINE_CHARS = 120
 EARLY_SHARE = 0.6  # compress before the next page once the call would take this share of a turn's tokens
 PAGES_EARLY_SHARE = 0.7  # the same for whole-page anchor blocks: ~100 tokens a page (block and index-map line)
 ANCHOR_CHARS = 60  # mid anchor: this much of the heading line; start/end: half of it, longer where that recurs
+_CATALOG_LINE_RE = re.compile(r"^- ([^\s:]+): ", re.MULTILINE)  # memory/catalog.py catalog_text's lines
 _SITE_RE = re.compile(r"url https?://([a-z0-9-]+)")
 
 
@@ -138,9 +142,10 @@ def _observations(ep) -> list[str]:
 class ReaderExpertEngine(ScriptedEngine):
     """The reader-expert as an engine: each request's episode (`req.state`) decides the next turn."""
 
-    def __init__(self, tokenizer, warn_ratio: float = 0.8, archive: str = "evidence"):
+    def __init__(self, tokenizer, warn_ratio: float = 0.8, archive: str = "evidence", query: str = "evidence"):
         super().__init__(tokenizer, {})
         self.warn_ratio = warn_ratio
+        self._by_catalog = query == "catalog"  # expert.reading_query
         pages = archive == "pages"  # expert.reading_archive
         self._compress_call = self._compress_pages if pages else self._compress
         self._early_share = PAGES_EARLY_SHARE if pages else EARLY_SHARE
@@ -247,6 +252,8 @@ class ReaderExpertEngine(ScriptedEngine):
         asked = ep.traj.task["question_step"]
         read = {str((s.arguments or {}).get("db_index")) for s in ep.traj.steps[asked + 1:]
                 if s.tool == READ and s.error is None}
+        if self._by_catalog:
+            return self._answer_from_catalog(ep, read, max_reads)
         have = "\n".join(ep.store.read(i).content for i in read)
         missing = [n for n, ok in zip(needles, evidence_found(have, needles)) if not ok]
         scored = []
@@ -259,4 +266,16 @@ class ReaderExpertEngine(ScriptedEngine):
         if scored and len(read) < max_reads:
             index = min(scored)[1]
             return render_tool_call(READ, {"db_index": index}, f"Block '{index}' holds what the question asks.")
+        return render_tool_call(FINISH, {}, "The blocks I read hold the answer.")
+
+    @staticmethod
+    def _answer_from_catalog(ep, read: set[str], max_reads: int) -> str:
+        """expert.reading_query "catalog": the next catalog entry not read yet, in the order the question's
+        observation shows them (what the policy sees), until `max_reads`; then finish."""
+        question = ep.traj.steps[ep.traj.task["question_step"]].observation
+        shown = question.split(CATALOG_HEADER, 1)[1] if CATALOG_HEADER in question else ""
+        unread = [index for index in _CATALOG_LINE_RE.findall(shown) if index not in read]
+        if unread and len(read) < max_reads:
+            index = unread[0]
+            return render_tool_call(READ, {"db_index": index}, f"Block '{index}' is the catalog's next match.")
         return render_tool_call(FINISH, {}, "The blocks I read hold the answer.")

@@ -38,6 +38,7 @@ def test_overrides_and_round_trip(tmp_path):
         (["env.look_once=3"], "env.look_once must be bool"),
         (["rollout.engine=magic"], "rollout.engine"),
         (["expert.reading_archive=everything"], "expert.reading_archive must be 'evidence' or 'pages'"),
+        (["expert.reading_query=oracle"], "expert.reading_query must be 'evidence' or 'catalog'"),
         (["memory=3"], "memory must be a mapping"),
         (["nothing"], "section.key=value"),
     ],

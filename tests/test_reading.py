@@ -192,7 +192,7 @@ def test_grpo_trains_on_reading_tasks_unchanged(tasks_dir, tiny_eos_model, tmp_p
     assert record["step"] == 1 and record["penalty_context"] > 0
 
 
-def _reader_expert_wins(tasks_dir, tokenizer, archive: str) -> list:
+def _reader_expert_wins(tasks_dir, tokenizer, archive: str, query: str = "evidence", min_won: int = 5) -> list:
     """The reader-expert's episodes on the fixture's tasks that brought every planted string to the reader, after
     checking what every one of them must show: accepted compressions, 1..max_reads hit reads, one page past T."""
     from sft.reader_expert import ReaderExpertEngine
@@ -201,15 +201,16 @@ def _reader_expert_wins(tasks_dir, tokenizer, archive: str) -> list:
     games = read_games_file(tasks_dir / GAMES_FILE)
     with open_envs(cfg, 1) as envs:
         trajs = run_episodes([(f"g{i}", str(g)) for i, g in enumerate(games)],
-                             ReaderExpertEngine(tokenizer, archive=archive), envs, make_renderer(tokenizer, cfg), cfg)
+                             ReaderExpertEngine(tokenizer, archive=archive, query=query), envs, make_renderer(tokenizer, cfg), cfg)
     score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
     won = [t for t in trajs if t.success]
-    assert len(won) >= 5
+    assert len(won) >= min_won
     for t in won:
         s = t.stats
         assert s["num_compress"] >= 1 and s["num_compress_rejected"] == 0 and s["num_format_errors"] == 0
         assert 1 <= s["num_read"] <= t.task["max_reads"] and s["num_read_miss"] == 0 and t.end_reason == "finish"
-        assert s["peak_working_tokens"] <= cfg.memory.threshold + 400  # one page past the warning at most
+        paging = max(step.working_tokens for step in t.steps[: t.task["question_step"]])
+        assert paging <= cfg.memory.threshold + 400  # one page past the warning at most (reads may pass T)
     return won
 
 
@@ -232,6 +233,20 @@ def test_the_pages_reader_expert_archives_every_page_it_read_whole(tasks_dir, sm
         pages = [page_text(s.observation) for s in t.steps[:asked] if s.tool == "execute_action"]
         archived = "\n".join(t.experience.values())
         assert all(page in archived for page in pages if page.startswith(("State", "Trajectory")))
+
+
+def test_the_catalog_reader_expert_reads_the_catalog_in_the_order_shown(tasks_dir, smol_tokenizer):
+    """expert.reading_query "catalog": the question's reads do not depend on the hidden evidence either -- they are
+    the catalog's first max_reads entries, in the order the question's observation lists them -- and they still
+    bring every planted string back in half the tasks or more."""
+    from sft.reader_expert import _CATALOG_LINE_RE
+
+    # 3 trajectories a task and 2 reads here (4 of the 7 tasks won): the first 2 of a catalog of ~12 pages
+    for t in _reader_expert_wins(tasks_dir, smol_tokenizer, "pages", "catalog", min_won=3):
+        asked = t.task["question_step"]
+        shown = _CATALOG_LINE_RE.findall(t.steps[asked].observation.split(CATALOG_HEADER, 1)[1])
+        reads = [s.arguments["db_index"] for s in t.steps[asked + 1:] if s.tool == "ReadExperience"]
+        assert reads == shown[: t.task["max_reads"]] and t.steps[-1].tool == "finish"
 
 
 def test_an_index_is_described_by_its_own_index_map_line_only(tasks_dir, cfg, smol_tokenizer):
