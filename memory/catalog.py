@@ -9,11 +9,14 @@ as a 500-trajectory archive does not fit in a prompt), then the rest in the orde
 
 from __future__ import annotations
 
+import re
+
 from memory.store import ExperienceStore
 from memory.tools import index_line_key
 
 CATALOG_HEADER = "Archived blocks (db_index: what it holds):"
 EMPTY_CATALOG = "(the archive is empty: nothing was archived)"
+_LINE = re.compile(r"^- ([^\s:]+): ", re.MULTILINE)  # catalog_text's `- index: description` lines
 
 
 def catalog_indices(store: ExperienceStore, query: str, shortlist: int) -> list[str]:
@@ -33,3 +36,8 @@ def catalog_text(store: ExperienceStore, query: str, shortlist: int) -> str:
     """The catalog as the agent reads it: a header line, then one `- index: description` line a block."""
     lines = [f"- {i}: {what_it_holds(i, store.read(i).description)}" for i in catalog_indices(store, query, shortlist)]
     return CATALOG_HEADER + "\n" + ("\n".join(lines) or EMPTY_CATALOG)
+
+
+def shown_indices(text: str) -> list[str]:
+    """The indices a catalog in `text` (an observation holding catalog_text) lists, in the order shown."""
+    return _LINE.findall(text.split(CATALOG_HEADER, 1)[1]) if CATALOG_HEADER in text else []

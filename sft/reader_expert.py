@@ -33,7 +33,7 @@ import re
 from common.engine import GenerationRequest
 from envs.reading import LAST_PAGE_NOTE
 from memory.anchors import extract_span
-from memory.catalog import CATALOG_HEADER, what_it_holds
+from memory.catalog import shown_indices, what_it_holds
 from memory.context import without_status
 from memory.parsing import COMPRESS, EXECUTE_ACTION, FINISH, READ, render_tool_call
 from rewards.reading import evidence_found
@@ -49,7 +49,6 @@ MAX_LINE_CHARS = 120
 EARLY_SHARE = 0.6  # compress before the next page once the call would take this share of a turn's tokens
 PAGES_EARLY_SHARE = 0.7  # the same for whole-page anchor blocks: ~100 tokens a page (block and index-map line)
 ANCHOR_CHARS = 60  # mid anchor: this much of the heading line; start/end: half of it, longer where that recurs
-_CATALOG_LINE_RE = re.compile(r"^- ([^\s:]+): ", re.MULTILINE)  # memory/catalog.py catalog_text's lines
 _SITE_RE = re.compile(r"url https?://([a-z0-9-]+)")
 
 
@@ -273,8 +272,7 @@ class ReaderExpertEngine(ScriptedEngine):
         """expert.reading_query "catalog": the next catalog entry not read yet, in the order the question's
         observation shows them (what the policy sees), until `max_reads`; then finish."""
         question = ep.traj.steps[ep.traj.task["question_step"]].observation
-        shown = question.split(CATALOG_HEADER, 1)[1] if CATALOG_HEADER in question else ""
-        unread = [index for index in _CATALOG_LINE_RE.findall(shown) if index not in read]
+        unread = [index for index in shown_indices(question) if index not in read]
         if unread and len(read) < max_reads:
             index = unread[0]
             return render_tool_call(READ, {"db_index": index}, f"Block '{index}' is the catalog's next match.")

@@ -14,7 +14,7 @@ from envs.data import read_games_file, resolve_game  # noqa: E402
 from envs.reading import LAST_PAGE_NOTE, NO_MORE_STATES, QUESTION_HEADER, ReadingEnv  # noqa: E402
 from eval.lme.synth import EVIDENCE_FILE, write_synthetic  # noqa: E402
 from eval.lme.tasks import GAMES_FILE, reading_tasks, tasks_command  # noqa: E402
-from memory.catalog import CATALOG_HEADER  # noqa: E402
+from memory.catalog import CATALOG_HEADER, shown_indices  # noqa: E402
 from memory.parsing import render_tool_call as call  # noqa: E402
 from rewards.memex import score_trajectories  # noqa: E402
 from rewards.reading import evidence_found  # noqa: E402
@@ -239,12 +239,11 @@ def test_the_catalog_reader_expert_reads_the_catalog_in_the_order_shown(tasks_di
     """expert.reading_query "catalog": the question's reads do not depend on the hidden evidence either -- they are
     the catalog's first max_reads entries, in the order the question's observation lists them -- and they still
     bring every planted string back in half the tasks or more."""
-    from sft.reader_expert import _CATALOG_LINE_RE
-
     # 3 trajectories a task and 2 reads here (4 of the 7 tasks won): the first 2 of a catalog of ~12 pages
     for t in _reader_expert_wins(tasks_dir, smol_tokenizer, "pages", "catalog", min_won=3):
         asked = t.task["question_step"]
-        shown = _CATALOG_LINE_RE.findall(t.steps[asked].observation.split(CATALOG_HEADER, 1)[1])
+        shown = shown_indices(t.steps[asked].observation)
+        assert len(shown) >= t.task["max_reads"]
         reads = [s.arguments["db_index"] for s in t.steps[asked + 1:] if s.tool == "ReadExperience"]
         assert reads == shown[: t.task["max_reads"]] and t.steps[-1].tool == "finish"
 
@@ -259,6 +258,7 @@ def test_an_index_is_described_by_its_own_index_map_line_only(tasks_dir, cfg, sm
     traj = play(cfg, smol_tokenizer, path, [NEXT] * pages + [both, NEXT, call("finish", {})])
     question = traj.steps[traj.task["question_step"]].observation
     assert question.endswith(CATALOG_HEADER + "\n- pages: the first pages\n- pages-2: the next pages")
+    assert shown_indices(question) == ["pages", "pages-2"]  # what the catalog-reading expert parses
 
 
 def test_memexrl_expert_writes_reading_demonstrations_sft_can_take(tasks_dir, tmp_path, capsys):
