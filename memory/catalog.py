@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import re
 
-from memory.store import ExperienceStore
+from memory.store import INDEX_PATTERN, ExperienceStore
 from memory.tools import index_line_key
 
 CATALOG_HEADER = "Archived blocks (db_index: what it holds):"
 EMPTY_CATALOG = "(the archive is empty: nothing was archived)"
-_LINE = re.compile(r"^- ([^\s:]+): ", re.MULTILINE)  # catalog_text's `- index: description` lines
+_LINE = re.compile(rf"^- ({INDEX_PATTERN.pattern}): ", re.MULTILINE)  # catalog_text's `- index: description` lines
 
 
 def catalog_indices(store: ExperienceStore, query: str, shortlist: int) -> list[str]:
