@@ -67,6 +67,7 @@ class Config:
             (self.memory.anchor_scope in ("context", "observations"),
              "memory.anchor_scope must be 'context' or 'observations'"),
             (self.memory.backend in ("memory", "sqlite"), "memory.backend must be 'memory' or 'sqlite'"),
+            (self.memory.catalog_rank_chars >= 0, "memory.catalog_rank_chars must be >= 0 (0: a block's whole content)"),
             (self.model.thinking in ("auto", "always", "never"), "model.thinking must be auto, always or never"),
             (self.env.max_steps > 0, "env.max_steps must be > 0"),
             (self.env.num_workers > 0, "env.num_workers must be > 0"),

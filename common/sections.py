@@ -84,6 +84,13 @@ class MemoryConfig:
         False,
     )
     fallback_top_k: int = _help("How many indices the semantic fallback suggests.", 3)
+    catalog_rank_chars: int = _help(
+        "How much of a block's content the catalog's bm25 ranking reads, besides its index and description "
+        "(memory/catalog.py: the question phase's list of archived blocks, most related first): the first N "
+        "characters; 0 = all of it. 200, the default, is the semantic fallback's (a block's head); whole-page "
+        "blocks (reading tasks, LME-V2) put the answer's words further in.",
+        200,
+    )
 
 
 @dataclass

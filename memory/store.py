@@ -131,8 +131,9 @@ def _tokenize(text: str, stopwords: frozenset[str]) -> list[str]:
     return tokens
 
 
-def _suggest_text(block: Block) -> str:
-    return f"{block.index} {block.description} {block.content[:SUGGEST_CONTENT_CHARS]}"
+def _suggest_text(block: Block, content_chars: int) -> str:
+    content = block.content[:content_chars] if content_chars > 0 else block.content
+    return f"{block.index} {block.description} {content}"
 
 
 class ExperienceStore(abc.ABC):
@@ -142,7 +143,7 @@ class ExperienceStore(abc.ABC):
     supersedes the previous one, and :meth:`history` keeps them all.
     """
 
-    _suggest_cache: tuple[tuple[tuple[str, int], ...], Any, list[str]] | None = None
+    _suggest_cache: tuple[tuple[Any, ...], Any, list[str]] | None = None
 
     # --- backend primitives ----------------------------------------------------------------------------
     @abc.abstractmethod
@@ -222,12 +223,13 @@ class ExperienceStore(abc.ABC):
         """{index: newest content} in order of first write (the trajectory JSON's ``experience``)."""
         return {b.index: b.content for b in self._current()}
 
-    def suggest(self, query: str, k: int = 3) -> list[str]:
+    def suggest(self, query: str, k: int = 3, content_chars: int = SUGGEST_CONTENT_CHARS) -> list[str]:
         """Up to ``k`` existing indices related to ``query``, best first: the fallback for a ReadExperience miss.
 
         Exact index reads come first; when they miss, a semantic search over the store keeps the
         evidence reachable (seed notes, section 9.3: "exact read first, then semantic search"). bm25
-        (bm25s) scores "index words + description + first 200 characters of content" of the current
+        (bm25s) scores "index words + description + first `content_chars` characters of content" (0: all of
+        it; the catalog's ranking, memory/catalog.py, may read more than the fallback's 200) of the current
         blocks; only indices scoring > 0 are returned, so [] for an empty store or an unrelated query.
         """
         if k <= 0:
@@ -235,12 +237,12 @@ class ExperienceStore(abc.ABC):
         current = self._current()
         if not current:
             return []
-        key = tuple((b.index, b.version) for b in current)
+        key = (content_chars, *((b.index, b.version) for b in current))
         if self._suggest_cache is None or self._suggest_cache[0] != key:
             retriever = _bm25s().BM25()
             stop = _stopwords()
             # An empty document gets a placeholder token so that bm25s sees no empty corpus.
-            docs = [_tokenize(_suggest_text(b), stop) or ["\x00"] for b in current]
+            docs = [_tokenize(_suggest_text(b, content_chars), stop) or ["\x00"] for b in current]
             retriever.index(docs, show_progress=False)
             self._suggest_cache = (key, retriever, [b.index for b in current])
         _, retriever, order = self._suggest_cache

@@ -196,7 +196,8 @@ class Episode:
         catalog = answer.info.get("catalog") or {}
         body = answer.obs.strip()
         if catalog:
-            body += "\n" + catalog_text(self.store, str(catalog.get("query", "")), int(catalog.get("shortlist", 12)))
+            body += "\n" + catalog_text(self.store, str(catalog.get("query", "")), int(catalog.get("shortlist", 12)),
+                                         self.memory.catalog_rank_chars)
         step = len(self.traj.steps)
         self.traj.task["question_step"] = step
         record.observation = body

@@ -146,6 +146,24 @@ def test_what_is_read_after_the_question_is_the_reward(tasks_dir, cfg, smol_toke
     assert early.task.get("question_step") is None and early.reward["task"] == 0.0
 
 
+def test_the_catalog_ranks_by_as_much_of_a_block_as_memory_catalog_rank_chars_says(tasks_dir, smol_tokenizer):
+    """A whole-page block names what a question asks about past its head: with catalog_rank_chars 0 the catalog
+    lists it first; with the default 200 its head does not match, and the catalog keeps the archive's order."""
+    path, task = load(tasks_dir, "static-environment")
+    pages = sum(-(-len(t["states"]) // 2) for t in task["trajectories"])
+    page = "filler " * 40 + task["question"]  # the question's words from character 280 on
+    script = [NEXT] * pages + [compress("head", "nothing here", "block one"), compress("page", page, "block two"),
+                               NEXT, call("finish", {})]
+    for rank_chars, order in ((200, "- head: block one\n- page: block two"),
+                              (0, "- page: block two\n- head: block one")):
+        cfg = load_config(None, ["env.max_steps=80", "memory.threshold=100000",
+                                 f"memory.catalog_rank_chars={rank_chars}"])
+        traj = play(cfg, smol_tokenizer, path, script)
+        assert CATALOG_HEADER + "\n" + order in traj.steps[traj.task["question_step"]].observation
+    with pytest.raises(MemexError, match="catalog_rank_chars must be >= 0"):
+        load_config(None, ["memory.catalog_rank_chars=-1"])
+
+
 def test_only_the_read_budget_reaches_the_reader(tasks_dir, cfg, smol_tokenizer):
     path, task = load(tasks_dir, "static-environment")
     pages = sum(-(-len(t["states"]) // 2) for t in task["trajectories"])

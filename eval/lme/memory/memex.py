@@ -194,7 +194,8 @@ class MemexMemory(Memory):
 
     def query(self, question: str, question_image: str | None = None) -> list[dict]:
         self.flush()
-        task = question_message(question, self.max_reads) + "\n" + catalog_text(self.store, question, self.shortlist)
+        catalog = catalog_text(self.store, question, self.shortlist, self.cfg.memory.catalog_rank_chars)
+        task = question_message(question, self.max_reads) + "\n" + catalog
         first = EnvResult("lme", task, 0.0, False, False, {"goal": question, "task": {"kind": READING_TASK}})
         episode = self._episode(self.store, self.max_reads + 2, first, "query")
         engine, _ = self._engine_and_renderer()
