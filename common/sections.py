@@ -186,6 +186,14 @@ class ExpertConfig:
         "`max_reads` entries in the order shown (memory/catalog.py: bm25 of the question first), then finish.",
         "evidence",
     )
+    reading_anchor_cut: str = _help(
+        "Where the reader-expert's whole-page anchors end (reading_archive 'pages'; sft/reader_expert.py "
+        "edge_anchors). 'chars': the page's first and last N characters (N from 30 up until they pick the page out), "
+        "so the end anchor mostly starts inside the previous line's last word; 'lines' (ours, easier to copy): the "
+        "start runs on to a word's end and the end anchor is the page's last whole lines. The CPU pages/catalog "
+        "starts of docs/results.md section 3 were trained on 'chars'.",
+        "chars",
+    )
     rejected_compress_rate: float = _help(
         "Chance, at each compression, that the expert first sends a CompressExperience that is rejected "
         "(half by the tool: a wrong or missing anchor, an index twice; half by the parser: a cut call, "

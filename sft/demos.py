@@ -152,7 +152,7 @@ def make_reading_demonstrations(cfg: Config, games_file: str, workers: int | Non
     start = time.perf_counter()
     trajs, _ = run_expert(cfg, games, tokenizer, workers, progress=progress,
                           engine=ReaderExpertEngine(tokenizer, cfg.memory.warn_ratio, cfg.expert.reading_archive,
-                                                    cfg.expert.reading_query))
+                                                    cfg.expert.reading_query, cfg.expert.reading_anchor_cut))
     recall = [t.reward["task"] for t in trajs]
     report = {"split": "reading", "games_file": str(games_file), **demo_report(trajs),
               "evidence_recall_mean": _mean(recall), "seconds": round(time.perf_counter() - start, 1)}

@@ -103,11 +103,25 @@ def evidence_block(states: list[dict], planted: list, taken: set[str]) -> tuple[
     return index, {"db_index": index, "db_content": content}, f"{pages} ({', '.join(dict.fromkeys(fields[:3]))})"
 
 
-def page_block(page: str, source: str | list[str], taken: set[str]) -> tuple[str, dict, str] | None:
+def edge_anchors(page: str, chars: int, cut: str) -> tuple[str, str]:
+    """A page's start and end anchors of about `chars` characters (expert.reading_anchor_cut). "chars": its first and
+    last `chars` characters, cut wherever that falls: the end anchor mostly starts inside the previous line's last word
+    (`ts'` of `Products'`), which a small policy memorises instead of copying (docs/results.md section 3). "lines":
+    the start runs on to the end of the word it cuts; the end is the page's last whole lines, as many as reach
+    `chars`."""
+    if cut == "chars":
+        return page[:chars].strip(), page[-chars:].strip()
+    start = (page[:chars] + re.match(r"\S*", page[chars:]).group(0)).strip()
+    lines = page.strip().splitlines()
+    k = next((k for k in range(1, len(lines) + 1) if len("\n".join(lines[-k:]).strip()) >= chars), len(lines))
+    return start, "\n".join(lines[-k:]).strip()
+
+
+def page_block(page: str, source: str | list[str], taken: set[str], cut: str = "chars") -> tuple[str, dict, str] | None:
     """(index, anchor-mode block, what it holds) archiving one whole page (expert.reading_archive "pages"): from its
     first line (a trajectory's goal or a state's header) to its last line, through the first state's heading; None
     when the page shows no state or the anchors would not pick exactly this page out of `source` (what the tool
-    searches: WorkingContext.anchor_source)."""
+    searches: WorkingContext.anchor_source). `cut`: where the anchors end (edge_anchors)."""
     shown = states_in(page)
     if not shown:
         return None
@@ -115,7 +129,7 @@ def page_block(page: str, source: str | list[str], taken: set[str]) -> tuple[str
     mid = next((ln for ln in lines if "heading '" in ln), lines[1])[:ANCHOR_CHARS]
     found = None
     for chars in range(ANCHOR_CHARS // 2, 4 * ANCHOR_CHARS + 1, 10):  # the shortest anchors that pick the page out
-        start, end = page[:chars].strip(), page[-chars:].strip()
+        start, end = edge_anchors(page, chars, cut)
         if extract_span(source, start, mid, end) == page:
             found = start, end
             break
@@ -141,9 +155,11 @@ def _observations(ep) -> list[str]:
 class ReaderExpertEngine(ScriptedEngine):
     """The reader-expert as an engine: each request's episode (`req.state`) decides the next turn."""
 
-    def __init__(self, tokenizer, warn_ratio: float = 0.8, archive: str = "evidence", query: str = "evidence"):
+    def __init__(self, tokenizer, warn_ratio: float = 0.8, archive: str = "evidence", query: str = "evidence",
+                 anchor_cut: str = "chars"):
         super().__init__(tokenizer, {})
         self.warn_ratio = warn_ratio
+        self._anchor_cut = anchor_cut  # expert.reading_anchor_cut
         self._by_catalog = query == "catalog"  # expert.reading_query
         pages = archive == "pages"  # expert.reading_archive
         self._compress_call = self._compress_pages if pages else self._compress
@@ -220,7 +236,7 @@ class ReaderExpertEngine(ScriptedEngine):
         blocks, lines, seen = [], [], []
         for observation in _observations(ep):
             page = page_text(observation)
-            found = page_block(page, source, taken)
+            found = page_block(page, source, taken, self._anchor_cut)
             if found is not None:
                 index, block, what = found
                 taken.add(index)

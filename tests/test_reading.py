@@ -210,7 +210,8 @@ def test_grpo_trains_on_reading_tasks_unchanged(tasks_dir, tiny_eos_model, tmp_p
     assert record["step"] == 1 and record["penalty_context"] > 0
 
 
-def _reader_expert_wins(tasks_dir, tokenizer, archive: str, query: str = "evidence", min_won: int = 5) -> list:
+def _reader_expert_wins(tasks_dir, tokenizer, archive: str, query: str = "evidence", min_won: int = 5,
+                        anchor_cut: str = "chars") -> list:
     """The reader-expert's episodes on the fixture's tasks that brought every planted string to the reader, after
     checking what every one of them must show: accepted compressions, 1..max_reads hit reads, one page past T."""
     from sft.reader_expert import ReaderExpertEngine
@@ -219,7 +220,8 @@ def _reader_expert_wins(tasks_dir, tokenizer, archive: str, query: str = "eviden
     games = read_games_file(tasks_dir / GAMES_FILE)
     with open_envs(cfg, 1) as envs:
         trajs = run_episodes([(f"g{i}", str(g)) for i, g in enumerate(games)],
-                             ReaderExpertEngine(tokenizer, archive=archive, query=query), envs, make_renderer(tokenizer, cfg), cfg)
+                             ReaderExpertEngine(tokenizer, archive=archive, query=query, anchor_cut=anchor_cut), envs,
+                             make_renderer(tokenizer, cfg), cfg)
     score_trajectories(trajs, cfg.memory.threshold, cfg.reward)
     won = [t for t in trajs if t.success]
     assert len(won) >= min_won
@@ -249,6 +251,25 @@ def test_the_pages_reader_expert_archives_every_page_it_read_whole(tasks_dir, sm
         blocks = [b for s in t.steps[:asked] if s.tool == "CompressExperience" for b in s.arguments["db_blocks"]]
         assert blocks and all(set(b) == {"db_index", "start_anchor", "mid_anchor", "end_anchor"} for b in blocks)
         pages = [page_text(s.observation) for s in t.steps[:asked] if s.tool == "execute_action"]
+        archived = "\n".join(t.experience.values())
+        assert all(page in archived for page in pages if page.startswith(("State", "Trajectory")))
+
+
+def test_line_cut_anchors_start_and_end_on_the_pages_own_boundaries(tasks_dir, smol_tokenizer):
+    """expert.reading_anchor_cut "lines": an end anchor is the page's last whole lines (never the tail of a word of
+    the line before, which a small policy memorises instead of copying) and a start anchor ends where a word does;
+    the blocks are still accepted and the pages archived whole."""
+    from sft.reader_expert import page_text
+
+    for t in _reader_expert_wins(tasks_dir, smol_tokenizer, "pages", anchor_cut="lines"):
+        asked = t.task["question_step"]
+        pages = [page_text(s.observation) for s in t.steps[:asked] if s.tool == "execute_action"]
+        blocks = [b for s in t.steps[:asked] if s.tool == "CompressExperience" for b in s.arguments["db_blocks"]]
+        assert blocks and all("db_content" not in b for b in blocks)
+        for b in blocks:
+            (page,) = [p for p in pages if p.startswith(b["start_anchor"]) and p.endswith(b["end_anchor"])]
+            assert page.splitlines()[-len(b["end_anchor"].splitlines())].strip() == b["end_anchor"].splitlines()[0]
+            assert page[len(b["start_anchor"]):][:1] in ("", " ", "\n")
         archived = "\n".join(t.experience.values())
         assert all(page in archived for page in pages if page.startswith(("State", "Trajectory")))
 
