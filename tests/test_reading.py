@@ -244,34 +244,33 @@ def test_the_pages_reader_expert_archives_every_page_it_read_whole(tasks_dir, sm
     """expert.reading_archive "pages": what is archived does not depend on the hidden evidence -- every page shown
     before the question is in the store verbatim, copied by anchor-mode blocks (no db_content written out) -- and
     the question still brings every planted string back in most tasks."""
-    from sft.reader_expert import page_text
-
     for t in _reader_expert_wins(tasks_dir, smol_tokenizer, "pages"):
-        asked = t.task["question_step"]
-        blocks = [b for s in t.steps[:asked] if s.tool == "CompressExperience" for b in s.arguments["db_blocks"]]
+        blocks, pages = _page_blocks_and_pages(t)
         assert blocks and all(set(b) == {"db_index", "start_anchor", "mid_anchor", "end_anchor"} for b in blocks)
-        pages = [page_text(s.observation) for s in t.steps[:asked] if s.tool == "execute_action"]
         archived = "\n".join(t.experience.values())
         assert all(page in archived for page in pages if page.startswith(("State", "Trajectory")))
+
+
+def _page_blocks_and_pages(t) -> tuple[list[dict], list[str]]:
+    """The blocks a reader-expert episode archived before its question, and the pages it was shown."""
+    from sft.reader_expert import page_text
+
+    asked = t.task["question_step"]
+    blocks = [b for s in t.steps[:asked] if s.tool == "CompressExperience" for b in s.arguments["db_blocks"]]
+    return blocks, [page_text(s.observation) for s in t.steps[:asked] if s.tool == "execute_action"]
 
 
 def test_line_cut_anchors_start_and_end_on_the_pages_own_boundaries(tasks_dir, smol_tokenizer):
     """expert.reading_anchor_cut "lines": an end anchor is the page's last whole lines (never the tail of a word of
     the line before, which a small policy memorises instead of copying) and a start anchor ends where a word does;
-    the blocks are still accepted and the pages archived whole."""
-    from sft.reader_expert import page_text
-
+    the blocks are still accepted."""
     for t in _reader_expert_wins(tasks_dir, smol_tokenizer, "pages", anchor_cut="lines"):
-        asked = t.task["question_step"]
-        pages = [page_text(s.observation) for s in t.steps[:asked] if s.tool == "execute_action"]
-        blocks = [b for s in t.steps[:asked] if s.tool == "CompressExperience" for b in s.arguments["db_blocks"]]
+        blocks, pages = _page_blocks_and_pages(t)
         assert blocks and all("db_content" not in b for b in blocks)
-        for b in blocks:
+        for b in blocks:  # each block is one whole page (accepted: _reader_expert_wins), cut at its boundaries
             (page,) = [p for p in pages if p.startswith(b["start_anchor"]) and p.endswith(b["end_anchor"])]
             assert page.splitlines()[-len(b["end_anchor"].splitlines())].strip() == b["end_anchor"].splitlines()[0]
             assert page[len(b["start_anchor"]):][:1] in ("", " ", "\n")
-        archived = "\n".join(t.experience.values())
-        assert all(page in archived for page in pages if page.startswith(("State", "Trajectory")))
 
 
 def test_the_catalog_reader_expert_reads_the_catalog_in_the_order_shown(tasks_dir, smol_tokenizer):
