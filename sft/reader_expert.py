@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 
 from common.engine import GenerationRequest
+from envs.lme_records import heading_of, page_entry, slug, unique_index
 from envs.reading import LAST_PAGE_NOTE
 from memory.anchors import extract_span
 from memory.catalog import shown_indices, what_it_holds
@@ -41,7 +42,6 @@ from rollout.scripted import ScriptedEngine
 
 _STATE_RE = re.compile(r"^State (\d+) \(trajectory (\S+), url ([^)]*)\)$", re.MULTILINE)
 _GOAL_RE = re.compile(r"^Trajectory (\d+) of \d+ \(id (\S+)\): goal: (.*)\nStart URL: .*\nOutcome: (.*)$", re.MULTILINE)
-_HEADING_RE = re.compile(r"heading '([^']+)'")
 PAGES_INDEX = "pages"
 MAX_PAGES_CHARS = 400
 MAX_BLOCK_LINES = 6
@@ -49,12 +49,6 @@ MAX_LINE_CHARS = 120
 EARLY_SHARE = 0.6  # compress before the next page once the call would take this share of a turn's tokens
 PAGES_EARLY_SHARE = 0.7  # the same for whole-page anchor blocks: ~100 tokens a page (block and index-map line)
 ANCHOR_CHARS = 60  # mid anchor: this much of the heading line; start/end: half of it, longer where that recurs
-_SITE_RE = re.compile(r"url https?://([a-z0-9-]+)")
-
-
-def slug(text: str, limit: int = 40) -> str:
-    """An index from a page heading: lower case, words joined by '-'."""
-    return "-".join(re.findall(r"[a-z0-9]+", text.lower()))[:limit].strip("-") or "page"
 
 
 def page_text(observation: str) -> str:
@@ -73,11 +67,6 @@ def states_in(text: str) -> list[dict]:
     return out
 
 
-def heading_of(body: str) -> str:
-    found = _HEADING_RE.search(body)
-    return found.group(1) if found else ""
-
-
 def evidence_block(states: list[dict], planted: list, taken: set[str]) -> tuple[str, dict, str] | None:
     """(index, block, what it holds) of the states of one trajectory where the task planted answer strings
     (`evidence_states`: [trajectory, state, string] triples): one block, a few lines a state; None if none."""
@@ -94,10 +83,7 @@ def evidence_block(states: list[dict], planted: list, taken: set[str]) -> tuple[
         fields += [re.sub(r"^\[\w+\]\s*", "", h)[:40] for h in hits[:2]]
     if not parts:
         return None
-    base = slug(headings[0])
-    index, n = base, 2
-    while index in taken:
-        index, n = f"{base}-{n}", n + 1
+    index = unique_index(slug(headings[0]), taken)
     content = f"Trajectory {states[0]['trajectory']}\n" + "\n".join(parts)
     pages = ", ".join(dict.fromkeys(headings))
     return index, {"db_index": index, "db_content": content}, f"{pages} ({', '.join(dict.fromkeys(fields[:3]))})"
@@ -137,13 +123,7 @@ def page_block(page: str, source: str | list[str], taken: set[str], cut: str = "
         return None
     start, end = found
     headings = list(dict.fromkeys(heading_of(st["body"]) or f"state {st['state']}" for st in shown))
-    site = _SITE_RE.search(page)
-    base = slug(f"{site.group(1) if site else ''} {headings[0]}")
-    index, n = base, 2
-    while index in taken:
-        index, n = f"{base}-{n}", n + 1
-    states = f"{shown[0]['state']}-{shown[-1]['state']}" if len(shown) > 1 else str(shown[0]["state"])
-    what = f"{' / '.join(headings)} (states {states})"
+    index, what = page_entry(page, headings, shown[0]["state"], shown[-1]["state"], taken)
     return index, {"db_index": index, "start_anchor": start, "mid_anchor": mid, "end_anchor": end}, what
 
 

@@ -1,4 +1,4 @@
-"""The LME-V2 commands of `memexrl` (design.md "CLI"): `lme synth|tasks|score|lafs` and `eval lme`."""
+"""The LME-V2 commands of `memexrl` (design.md "CLI"): `lme synth|tasks|score|lafs|catalog-recall` and `eval lme`."""
 
 from __future__ import annotations
 
@@ -43,6 +43,15 @@ def cmd_lme_lafs(args: argparse.Namespace) -> None:
     from eval.lme.lafs import lafs_command
 
     print(lafs_command(args.tier, args.point or [], args.result_dirs))
+
+
+def cmd_lme_catalog_recall(args: argparse.Namespace) -> None:
+    from eval.lme.catalog_recall import catalog_recall_command
+
+    if (args.archive is None) == (not args.all_pages):
+        raise MemexError("lme catalog-recall: give --archive DIR (an `eval lme --memory memex` output) or --all-pages")
+    print(catalog_recall_command(args.data, args.haystack, args.archive, args.k or [1, 2, 3, 5], args.rank_chars,
+                                 args.states_per_page, args.state_max_chars))
 
 
 def module_settings(items: list[str], where: str) -> dict:
@@ -145,6 +154,17 @@ def add_lme_commands(sub, eval_sub) -> None:
     laf.add_argument("--tier", choices=["small", "medium"], default=None)
     laf.add_argument("--point", action="append", help="ACC_PERCENT,LATENCY_S (repeatable)")
     laf.set_defaults(func=cmd_lme_lafs)
+    cat = lme_sub.add_parser("catalog-recall", help="evidence the memex catalog's first k blocks reach (no model)")
+    cat.add_argument("--data", required=True, help="a `memexrl lme synth` set (its synth_evidence.json is needed)")
+    cat.add_argument("--haystack", default="small", help="small, medium or a haystack JSON file")
+    cat.add_argument("--archive", default=None, help="an `eval lme --memory memex` output directory")
+    cat.add_argument("--all-pages", action="store_true", help="instead: every page archived whole (the ceiling)")
+    cat.add_argument("--k", type=positive_int, action="append", help="blocks read (repeatable; default 1 2 3 5)")
+    cat.add_argument("--rank-chars", type=non_negative_int, default=200,
+                     help="memory.catalog_rank_chars: characters of a block bm25 reads (0: all)")
+    cat.add_argument("--states-per-page", type=positive_int, default=2, help="--all-pages: states a page")
+    cat.add_argument("--state-max-chars", type=positive_int, default=2000, help="--all-pages: cap on a state's text")
+    cat.set_defaults(func=cmd_lme_catalog_recall)
 
     ev = eval_sub.add_parser("lme", help="LME-V2 accuracy and query latency of a memory module")
     ev.add_argument("--data", required=True, help="dataset root (the real layout; `memexrl lme synth` makes one)")
