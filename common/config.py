@@ -106,6 +106,7 @@ class Config:
             (self.expert.reading_query in ("evidence", "catalog"),
              "expert.reading_query must be 'evidence' or 'catalog'"),
             (self.expert.reading_anchor_cut in ("chars", "lines"), "expert.reading_anchor_cut must be 'chars' or 'lines'"),
+            (self.expert.anchor_end in ("words", "sentence"), "expert.anchor_end must be 'words' or 'sentence'"),
             (0 <= self.sft.validation_fraction < 1, "sft.validation_fraction must be in [0, 1)"),
             (self.sft.per_device_batch_size > 0, "sft.per_device_batch_size must be > 0"),
             (self.sft.gradient_accumulation_steps > 0, "sft.gradient_accumulation_steps must be > 0"),

@@ -186,6 +186,15 @@ class ExpertConfig:
         "`max_reads` entries in the order shown (memory/catalog.py: bm25 of the question first), then finish.",
         "evidence",
     )
+    anchor_end: str = _help(
+        "The end anchor of the ALFWorld expert's anchor blocks (the room overview, '<class>_seen'; sft/expert.py "
+        "anchor_block). 'words': the observation's last 2-8 words (`sidetable 1.`): the room overview's last "
+        "receptacle, which a small policy guesses by room type instead of copying (7 distinct ends in the memory "
+        "run's 270 demonstrations; its GRPO error loops start there: docs/results.md section 4). 'sentence' (ours): "
+        "`.`, the first sentence end after the mid anchor, which the tool's nearest-end rule (memory/anchors.py) "
+        "makes the observation's end; the last words where that does not pick the observation out.",
+        "words",
+    )
     reading_anchor_cut: str = _help(
         "Where the reader-expert's whole-page anchors end (reading_archive 'pages'; sft/reader_expert.py "
         "edge_anchors). 'chars': the page's first and last N characters (N from 30 up until they pick the page out), "

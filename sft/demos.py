@@ -77,7 +77,7 @@ def run_expert(
     if engine is None:
         engine = MemexExpertEngine(tokenizer, cfg.expert.detour_rate, cfg.expert.max_detours, cfg.seed,
                                    cfg.expert.rejected_compress_rate, cfg.expert.max_turn_tokens,
-                                   cfg.expert.milestone_compress, cfg.expert.seen_evidence)
+                                   cfg.expert.milestone_compress, cfg.expert.seen_evidence, cfg.expert.anchor_end)
     renderer = make_renderer(tokenizer, cfg)
     jobs = [(f"g{i}", str(g)) for i, g in enumerate(games)]
     workers = cfg.env.num_workers if workers is None else workers

@@ -69,8 +69,9 @@ class MemexExpertEngine(ScriptedEngine):
 
     def __init__(self, tokenizer, detour_rate: float = 0.0, max_detours: int = 4, seed: int = 0,
                  rejected_compress_rate: float = 0.0, max_turn_tokens: int = 0, milestone_compress: bool = True,
-                 seen_evidence: str = "anchor"):
+                 seen_evidence: str = "anchor", anchor_end: str = "words"):
         super().__init__(tokenizer, {})
+        self.anchor_end = anchor_end  # expert.anchor_end: "words" (the last words) or "sentence" (".")
         self.seen_evidence = seen_evidence  # "anchor": <class>_seen blocks; "facts": the facts block only
         self.milestone_compress = milestone_compress  # False: compress only past warn_ratio * T
         self.max_turn_tokens = max_turn_tokens  # 0: the request's max_new_tokens
@@ -206,7 +207,8 @@ class MemexExpertEngine(ScriptedEngine):
         (a small budget dropped its block), the summary says the next action exactly.
         """
         context_text = ep.context.anchor_source()
-        anchored = evidence_blocks(notes, targets, context_text, per_class=self.seen_evidence == "anchor")
+        anchored = evidence_blocks(notes, targets, context_text, per_class=self.seen_evidence == "anchor",
+                                   end=self.anchor_end)
         working, threshold = ep.context.working_tokens, ep.memory.threshold
         if reason == "milestone":
             why = f"I {notes.milestone}: a good point to compress my context and archive the details."
@@ -265,27 +267,34 @@ def index_for(text: str) -> str:
     return (re.sub(r"[^A-Za-z0-9_-]+", "_", text).strip("_") or "block")[:64]
 
 
-def evidence_blocks(notes: WorldNotes, targets: Targets, context_text: str | list[str], per_class: bool = True) -> list[dict]:
+def evidence_blocks(notes: WorldNotes, targets: Targets, context_text: str | list[str], per_class: bool = True,
+                    end: str = "words") -> list[dict]:
     """Anchor-mode blocks for the exact evidence of this segment: the room overview (if `look` is in
-    it), and (if `per_class`) for each target class the latest observation that shows one."""
+    it), and (if `per_class`) for each target class the latest observation that shows one. `end`: anchor_block's."""
     blocks = []
     if notes.room_in_segment:
-        blocks.append(anchor_block(ROOM_INDEX, notes.room, context_text, "Looking"))
+        blocks.append(anchor_block(ROOM_INDEX, notes.room, context_text, "Looking", end))
     for cls in targets.interesting() if per_class else []:
         seen = [body for _, body in notes.segment_obs if any(name_class(o) == cls for o in seen_items(body) or [])]
         if seen:
             mid = next(o for o in seen_items(seen[-1]) or [] if name_class(o) == cls)
-            blocks.append(anchor_block(index_for(f"{cls}_seen"), seen[-1], context_text, mid))
+            blocks.append(anchor_block(index_for(f"{cls}_seen"), seen[-1], context_text, mid, end))
     return [b for b in blocks if b is not None]
 
 
-def anchor_block(index: str, body: str, context_text: str | list[str], mid: str) -> dict | None:
-    """An anchor-mode block that makes anchors.py copy exactly `body` from the context (checked here)."""
+def anchor_block(index: str, body: str, context_text: str | list[str], mid: str, end_style: str = "words") -> dict | None:
+    """An anchor-mode block that makes anchors.py copy exactly `body` from the context (checked here). Its end
+    anchor (expert.anchor_end): the body's last words, or with "sentence" first "." (the nearest sentence end after
+    the mid anchor: an ALFWorld observation's end, a constant the policy need not copy)."""
     words = body.split(" ")
     if mid not in body:
         mid = words[len(words) // 2]
-    for n_start, n_end in ((3, 2), (5, 3), (8, 5), (12, 8), (len(words), len(words))):  # shortest first
-        start, end = " ".join(words[:n_start]), " ".join(words[-n_end:])
+    ends = ["."] if end_style == "sentence" else []
+    tries = [(n, e) for n in (3, 5, 8, 12) for e in ends]  # shortest start first
+    tries += [(n_start, " ".join(words[-n_end:]))
+              for n_start, n_end in ((3, 2), (5, 3), (8, 5), (12, 8), (len(words), len(words)))]
+    for n_start, end in tries:
+        start = " ".join(words[:n_start])
         if extract_span(context_text, start, mid, end) == body:
             return {"db_index": index, "start_anchor": start, "mid_anchor": mid, "end_anchor": end}
     log.debug("no anchors copy %r exactly; block %s skipped", body[:60], index)

@@ -24,6 +24,7 @@ from envs.data import (  # noqa: E402
 )
 from envs.pool import EnvPool  # noqa: E402
 from memexrl.cli import main, replay  # noqa: E402
+from memory.anchors import extract_span  # noqa: E402
 from memory.parsing import COMPRESS, EXECUTE_ACTION, READ  # noqa: E402
 from memory.store import InMemoryStore  # noqa: E402
 from sft.demos import run_expert  # noqa: E402
@@ -114,6 +115,9 @@ def test_text_helpers():
     context = f"Earlier text.\n\n{body}\n\n[Context Status: working tokens=5, threshold=10]"
     block = anchor_block("apple_seen", body, context, "apple 1")
     assert block is not None and set(block) == {"db_index", "start_anchor", "mid_anchor", "end_anchor"}
+    assert block["end_anchor"] == "mug 3."  # expert.anchor_end "words"
+    sentence = anchor_block("apple_seen", body, context, "apple 1", "sentence")
+    assert sentence["end_anchor"] == "." and extract_span(context, sentence["start_anchor"], "apple 1", ".") == body
 
 
 def test_mixed_order_takes_task_types_in_turn(alfworld_data):
@@ -301,6 +305,29 @@ def test_without_milestone_compression_only_past_the_warning(alfworld_data, tmp_
                 assert answers_rejected or before["working_tokens"] > 0.8 * 1000, (demo["game"], before)
                 assert "a good point to compress" not in step["assistant"]  # the thought gives W's reason
     assert takes >= 3  # every won game of these types takes its object: the check above is not vacuous
+
+
+def test_sentence_end_anchors_copy_the_room_overview_with_a_constant_end(alfworld_data, tmp_path):
+    """`expert.anchor_end=sentence`: every anchor block ends at ".", and what the tool archives under it is the
+    whole room overview (the block read back is the `look` observation), in real games (docs/results.md section 4:
+    the policy guessed the words-style end, the overview's last receptacle, and looped on the rejection)."""
+    out = tmp_path / "sentence"
+    assert main(["expert", "--config", "configs/cpu-memory.yaml", "--split", "valid_seen", "--games", "4",
+                 "--task-types", "pick_and_place_simple", "--out", str(out), "--workers", "1",
+                 f"env.data_dir={alfworld_data}", "expert.anchor_end=sentence"]) == 0  # fmt: skip
+    demos = [json.loads(line) for line in (out / "demos.jsonl").read_text().splitlines()]
+    ends, reads = [], 0
+    for demo in demos:
+        steps = demo["steps"]
+        overview = next(s["observation"] for s in steps if s["arguments"].get("action") == "look").split("\n\n")[0]
+        for step in steps:
+            if step["tool"] == COMPRESS:
+                assert step["error"] is None
+                ends += [b["end_anchor"] for b in step["arguments"]["db_blocks"] if "end_anchor" in b]
+            if step["tool"] == READ and step["arguments"]["db_index"] == "room":
+                assert step["observation"].split("chars):\n", 1)[1].split("\n\n")[0] == overview
+                reads += 1
+    assert ends and set(ends) == {"."} and reads  # the room block was archived and read back
 
 
 def test_reads_the_block_that_says_where_the_object_is():
