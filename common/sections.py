@@ -199,7 +199,9 @@ class ExpertConfig:
         "Where the reader-expert's whole-page anchors end (reading_archive 'pages'; sft/reader_expert.py "
         "edge_anchors). 'chars': the page's first and last N characters (N from 30 up until they pick the page out), "
         "so the end anchor mostly starts inside the previous line's last word; 'lines' (ours, easier to copy): the "
-        "start runs on to a word's end and the end anchor is the page's last whole lines. The CPU pages/catalog "
+        "start runs on to a word's end and the end anchor is the page's last whole lines. 'last_line' (ours): the end "
+        "anchor is the page's last line alone; with `lme tasks --page-end` that line is a constant the policy need "
+        "not copy (the line-cut start still invented end lines: docs/results.md section 3). The CPU pages/catalog "
         "starts of docs/results.md section 3 were trained on 'chars'.",
         "chars",
     )

@@ -9,7 +9,9 @@ holding its planted evidence among distractors of the same domain) and the plant
 1. Reading. The task message says how many trajectories and states follow and that a question comes after
    them. Every `execute_action` (any action: paging is the only action) shows the next `states_per_page`
    states, each as the controller shows it (`State k` + thought + action + AXTree, capped at
-   `state_max_chars`), a trajectory's first state after its header (goal, start URL, outcome). The question
+   `state_max_chars`), a trajectory's first state after its header (goal, start URL, outcome), and the task's
+   `page_end` line when it has one (ours, `lme tasks --page-end`: a constant last line that an anchor block's
+   end_anchor can name, as the tool takes the nearest end after the mid anchor: docs/results.md section 3). The question
    is hidden while reading, as it is when the controller inserts a haystack. Working context passes T: the
    agent compresses (CompressExperience), archiving what a question may need under indices that say what
    they hold.
@@ -63,6 +65,8 @@ def load_reading_task(path: str | Path) -> dict:
     if not task["trajectories"] or not all(isinstance(t, dict) and isinstance(t.get("states"), list)
                                            and t["states"] for t in task["trajectories"]):
         raise MemexError(f"{file}: `trajectories` must be a non-empty list of trajectories with states")
+    if not isinstance(task.get("page_end", ""), str):
+        raise MemexError(f"{file}: field 'page_end' must be a str, got {json.dumps(task.get('page_end'))[:60]}")
     if min(task["states_per_page"], task["state_max_chars"], task["max_reads"], task["shortlist"]) < 1:
         raise MemexError(f"{file}: states_per_page, state_max_chars, max_reads and shortlist must be >= 1")
     return task
@@ -139,6 +143,8 @@ class ReadingEnv:
             if k == 0:
                 parts.append(trajectory_header(trajectories[j], j + 1, len(trajectories)))
             parts.append(render_state(trajectories[j], k, self.task["state_max_chars"]))
+        if self.task.get("page_end"):
+            parts.append(self.task["page_end"])
         if self.position == len(self.pages):
             parts.append(LAST_PAGE_NOTE)
         return "\n\n".join(parts), 0.0, False, False, self._info(advances=True)

@@ -94,11 +94,14 @@ def edge_anchors(page: str, chars: int, cut: str) -> tuple[str, str]:
     last `chars` characters, cut wherever that falls: the end anchor mostly starts inside the previous line's last word
     (`ts'` of `Products'`), which a small policy memorises instead of copying (docs/results.md section 3). "lines":
     the start runs on to the end of the word it cuts; the end is the page's last whole lines, as many as reach
-    `chars`."""
+    `chars`; "last_line": the same start, and the page's last line alone (a task's constant `page_end` line, which
+    the tool's nearest-end rule makes this page's end)."""
     if cut == "chars":
         return page[:chars].strip(), page[-chars:].strip()
     start = (page[:chars] + re.match(r"\S*", page[chars:]).group(0)).strip()
     lines = page.strip().splitlines()
+    if cut == "last_line":
+        return start, lines[-1].strip()
     k = next((k for k in range(1, len(lines) + 1) if len("\n".join(lines[-k:]).strip()) >= chars), len(lines))
     return start, "\n".join(lines[-k:]).strip()
 

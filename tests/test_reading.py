@@ -273,6 +273,43 @@ def test_line_cut_anchors_start_and_end_on_the_pages_own_boundaries(tasks_dir, s
             assert page[len(b["start_anchor"]):][:1] in ("", " ", "\n")
 
 
+PAGE_END = "(end of page)"
+
+
+@pytest.fixture(scope="module")
+def tasks_with_page_end(lme_set, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tasks-page-end")
+    tasks_command(str(lme_set), str(out), distractors=2, states_per_page=2, state_max_chars=400, max_reads=2,
+                  shortlist=12, seed=0, prefix="s3-", page_end=PAGE_END)
+    return out
+
+
+def test_a_page_end_line_closes_every_page_in_training_and_at_insert(tasks_with_page_end):
+    from eval.lme.memory.memex import insert_task
+    from sft.reader_expert import page_text
+
+    path, task = load(tasks_with_page_end, "static-environment")
+    env = ReadingEnv(path)
+    env.reset()
+    pages = [env.step("next")[0] for _ in env.pages]
+    assert all(page_text(p).endswith("\n\n" + PAGE_END) for p in pages)
+    assert pages[-1].endswith(PAGE_END + "\n\n" + LAST_PAGE_NOTE)  # the note comes after the page's end
+    insert = ReadingEnv(insert_task(task["trajectories"][0], 2, 400, 1, 1, PAGE_END))
+    insert.reset()
+    assert insert.step("next")[0].endswith("\n\n" + PAGE_END)
+
+
+def test_last_line_anchors_end_at_the_constant_page_end(tasks_with_page_end, smol_tokenizer):
+    """expert.reading_anchor_cut "last_line" on tasks with a page_end line: every page block's end anchor is that
+    constant line (the tool's nearest-end rule makes it the page's own end), and each block is still one whole page."""
+    for t in _reader_expert_wins(tasks_with_page_end, smol_tokenizer, "pages", anchor_cut="last_line"):
+        blocks, pages = _page_blocks_and_pages(t)
+        assert blocks and {b["end_anchor"] for b in blocks} == {PAGE_END}
+        for b in blocks:
+            (page,) = [p for p in pages if p.startswith(b["start_anchor"])]
+            assert t.experience[b["db_index"]] == page
+
+
 def test_the_catalog_reader_expert_reads_the_catalog_in_the_order_shown(tasks_dir, smol_tokenizer):
     """expert.reading_query "catalog": the question's reads do not depend on the hidden evidence either -- they are
     the catalog's first max_reads entries, in the order the question's observation lists them -- and they still

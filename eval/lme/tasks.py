@@ -25,8 +25,10 @@ from eval.lme.synth import EVIDENCE_FILE
 
 
 def reading_tasks(data_root: str | Path, distractors: int, states_per_page: int, state_max_chars: int,
-                  max_reads: int, shortlist: int, seed: int, prefix: str = "", haystack: str = "small") -> list[dict]:
-    """The tasks of every question of the set that has planted evidence (see the module docstring)."""
+                  max_reads: int, shortlist: int, seed: int, prefix: str = "", haystack: str = "small",
+                  page_end: str = "") -> list[dict]:
+    """The tasks of every question of the set that has planted evidence (see the module docstring); `page_end`:
+    the line closing every page (envs/reading.py; "" for none)."""
     data = load_lme(data_root)
     path = data.root / EVIDENCE_FILE
     if not path.is_file():
@@ -50,6 +52,7 @@ def reading_tasks(data_root: str | Path, distractors: int, states_per_page: int,
                       "evidence_trajectories": own, "evidence_states": [list(n) for n in ev["needles"]],
                       "states_per_page": states_per_page,
                       "state_max_chars": state_max_chars, "max_reads": max_reads, "shortlist": shortlist,
+                      **({"page_end": page_end} if page_end else {}),
                       "trajectories": [data.trajectories[t] for t in order]})
     if not tasks:
         raise MemexError(f"no question of {data.root} has planted evidence in {EVIDENCE_FILE}")
@@ -72,8 +75,9 @@ def write_tasks(out: str | Path, tasks: list[dict]) -> Path:
 
 
 def tasks_command(data: str, out: str, distractors: int, states_per_page: int, state_max_chars: int,
-                  max_reads: int, shortlist: int, seed: int, prefix: str) -> str:
-    tasks = reading_tasks(data, distractors, states_per_page, state_max_chars, max_reads, shortlist, seed, prefix)
+                  max_reads: int, shortlist: int, seed: int, prefix: str, page_end: str = "") -> str:
+    tasks = reading_tasks(data, distractors, states_per_page, state_max_chars, max_reads, shortlist, seed, prefix,
+                          page_end=page_end)
     games = write_tasks(out, tasks)
     states = [sum(len(t["states"]) for t in task["trajectories"]) for task in tasks]
     sizes = [len(task["trajectories"]) for task in tasks]

@@ -18,8 +18,8 @@ read budget, or at the step limit). The blocks it read, in reading order, are th
 checkpoint can be the controller (a reading-trained one, the ALFWorld GRPO one, a base model):
 `extra["checkpoint"]`, run by the engine of `extra["config"]` (memexrl Config: transformers or vLLM, a managed
 vLLM server included, eval.temperature: eval/engine.py), or `extra["engine"]`, an (engine, tokenizer) pair built by the caller. Other settings
-(`--set key=value`): states_per_chunk (2), state_max_chars (2000), max_reads (3), shortlist (12),
-insert_batch (rollout.batch_size: trajectories read together, one batched engine call per turn), workdir.
+(`--set key=value`): states_per_chunk (2), state_max_chars (2000), max_reads (3), shortlist (12), page_end ("":
+the line `lme tasks --page-end` closed the training pages with), insert_batch (rollout.batch_size: trajectories read together, one batched engine call per turn), workdir.
 
 Save/load: the SQLite file is the memory; `save` copies it (sqlite backup API) and `load`
 reopens it, so insert -> close -> reopen -> query gives the same context (greedy decoding).
@@ -60,11 +60,12 @@ BLOCKS, META = "lme", "lme-meta"  # store namespaces: the archived blocks; the i
 READ_DONE = "The trajectory is read: its archive is kept for the questions."
 
 
-def insert_task(trajectory: dict, per_chunk: int, max_chars: int, max_reads: int, shortlist: int) -> dict:
+def insert_task(trajectory: dict, per_chunk: int, max_chars: int, max_reads: int, shortlist: int,
+                page_end: str = "") -> dict:
     """The reading task of one haystack trajectory (no question yet: it comes at query time)."""
     return {"kind": READING_KIND, "id": str(trajectory.get("id", "")), "question": "", "question_type": "",
             "trajectories": [trajectory], "evidence": [], "states_per_page": per_chunk, "state_max_chars": max_chars,
-            "max_reads": max_reads, "shortlist": shortlist}
+            "max_reads": max_reads, "shortlist": shortlist, "page_end": page_end}
 
 
 class InsertPager:
@@ -99,6 +100,7 @@ class MemexMemory(Memory):
         self.max_chars = int(x.get("state_max_chars", 2000))
         self.max_reads = int(x.get("max_reads", 3))
         self.shortlist = int(x.get("shortlist", 12))
+        self.page_end = str(x.get("page_end", ""))  # the training tasks' `lme tasks --page-end`
         self.dir = Path(store_dir or x.get("workdir") or "runs/lme-memex")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.store = SQLiteStore(self.dir / STORE_FILE, BLOCKS)
@@ -168,7 +170,8 @@ class MemexMemory(Memory):
         games, scratches = [], []
         for n, trajectory in enumerate(pending):
             prefix = f"t{len(ids) + n:04d}"
-            pager = InsertPager(insert_task(trajectory, self.per_chunk, self.max_chars, self.max_reads, self.shortlist))
+            pager = InsertPager(insert_task(trajectory, self.per_chunk, self.max_chars, self.max_reads, self.shortlist,
+                                            self.page_end))
             scratches.append(InMemoryStore())
             episode = self._episode(scratches[-1], len(pager.env.pages) + TAIL_STEPS, pager.reset(), f"insert-{prefix}")
             games.append((episode, pager))
