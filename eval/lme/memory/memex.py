@@ -18,8 +18,9 @@ read budget, or at the step limit). The blocks it read, in reading order, are th
 checkpoint can be the controller (a reading-trained one, the ALFWorld GRPO one, a base model):
 `extra["checkpoint"]`, run by the engine of `extra["config"]` (memexrl Config: transformers or vLLM, a managed
 vLLM server included, eval.temperature: eval/engine.py), or `extra["engine"]`, an (engine, tokenizer) pair built by the caller. Other settings
-(`--set key=value`): states_per_chunk (2), state_max_chars (2000), max_reads (3), shortlist (12), page_end ("":
-the line `lme tasks --page-end` closed the training pages with), insert_batch (rollout.batch_size: trajectories read together, one batched engine call per turn), workdir.
+(`--set key=value`): states_per_chunk (2), state_max_chars (2000), max_reads (3), shortlist (12),
+page_end ("": the line `lme tasks --page-end` closed the training pages with), insert_batch (rollout.batch_size:
+trajectories read together, one batched engine call per turn), workdir.
 
 Save/load: the SQLite file is the memory; `save` copies it (sqlite backup API) and `load`
 reopens it, so insert -> close -> reopen -> query gives the same context (greedy decoding).
