@@ -289,8 +289,7 @@ def anchor_block(index: str, body: str, context_text: str | list[str], mid: str,
     words = body.split(" ")
     if mid not in body:
         mid = words[len(words) // 2]
-    ends = ["."] if end_style == "sentence" else []
-    tries = [(n, e) for n in (3, 5, 8, 12) for e in ends]  # shortest start first
+    tries = [(n, ".") for n in (3, 5, 8, 12)] if end_style == "sentence" else []  # shortest start first
     tries += [(n_start, " ".join(words[-n_end:]))
               for n_start, n_end in ((3, 2), (5, 3), (8, 5), (12, 8), (len(words), len(words)))]
     for n_start, end in tries:

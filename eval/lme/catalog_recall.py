@@ -50,15 +50,16 @@ def all_pages_archive(trajectories: list[dict], states_per_page: int, state_max_
     return store
 
 
-def first_k(store: ExperienceStore, question: str, strings: list[str], ks: list[int], rank_chars: int) -> dict:
-    """{k: (all strings found, share found, characters)} for the catalog's first k blocks; "archive": the whole store."""
+def first_k(store: ExperienceStore, question: str, strings: list[str], ks: list[int], rank_chars: int,
+            whole: str) -> dict:
+    """{k: (all strings found, share found, characters)} for the catalog's first k blocks; "archive": `whole`, the
+    whole store's text."""
     ranked = catalog_indices(store, question, max(ks), rank_chars)
     out = {}
     for k in ks:
         text = "\n".join(store.read(i).content for i in ranked[:k])
         found = evidence_found(text, strings)
         out[k] = (all(found), sum(found) / len(found), len(text))
-    whole = "\n".join(store.read(i).content for i in store.indices())
     found = evidence_found(whole, strings)
     out["archive"] = (all(found), sum(found) / len(found), len(whole))
     return out
@@ -84,7 +85,9 @@ def catalog_recall(data_root: str | Path, haystack: str, archive: str | Path | N
                 skipped.append(group_key(n, questions))
                 continue
             store = SQLiteStore(path, BLOCKS)
-        rows += [first_k(store, q.question, strings[q.id], ks, rank_chars) for q in questions if strings.get(q.id)]
+        whole = "\n".join(store.read(i).content for i in store.indices())  # once a group, not once a question
+        rows += [first_k(store, q.question, strings[q.id], ks, rank_chars, whole)
+                 for q in questions if strings.get(q.id)]
         store.close()
     if not rows:
         raise MemexError(f"no question of {haystack!r} has an archive under {archive}/memory_state "
