@@ -299,6 +299,22 @@ def test_a_page_end_line_closes_every_page_in_training_and_at_insert(tasks_with_
     assert insert.step("next")[0].endswith("\n\n" + PAGE_END)
 
 
+def test_the_memex_controller_pages_as_its_training_tasks_did(tasks_with_page_end, tmp_path):
+    """`eval lme --memory memex --config <a reading config>`: the controller takes the page format (page_end,
+    states a page, the state cap) from the first task of train.reading_tasks, `--set` wins over it, and a config
+    without reading tasks (the ALFWorld policy's) keeps the controller's defaults."""
+    from eval.lme.memory.base import MemoryOptions
+    from eval.lme.memory.memex import MemexMemory
+
+    reading = load_config(None, ["train.env=reading", f"train.reading_tasks={tasks_with_page_end / GAMES_FILE}"])
+    trained = MemexMemory(MemoryOptions(extra={"config": reading, "workdir": str(tmp_path / "a")}))
+    assert (trained.page_end, trained.per_chunk, trained.max_chars) == (PAGE_END, 2, 400)
+    overridden = MemexMemory(MemoryOptions(extra={"config": reading, "workdir": str(tmp_path / "b"), "page_end": ""}))
+    assert (overridden.page_end, overridden.per_chunk) == ("", 2)
+    alfworld = MemexMemory(MemoryOptions(extra={"config": load_config(None, []), "workdir": str(tmp_path / "c")}))
+    assert (alfworld.page_end, alfworld.per_chunk, alfworld.max_chars) == ("", 2, 2000)
+
+
 def test_last_line_anchors_end_at_the_constant_page_end(tasks_with_page_end, smol_tokenizer):
     """expert.reading_anchor_cut "last_line" on tasks with a page_end line: every page block's end anchor is that
     constant line (the tool's nearest-end rule makes it the page's own end), and each block is still one whole page."""

@@ -140,7 +140,7 @@ def add_lme_commands(sub, eval_sub) -> None:
     tsk.add_argument("--seed", type=non_negative_int, default=0, help="which distractors")
     tsk.add_argument("--prefix", default="", help="before each task id (e.g. s1- for the set of seed 1)")
     tsk.add_argument("--page-end", default="", help="a line closing every page, e.g. '(end of page)' (an anchor "
-                     "block's end anchor can name it; `eval lme --set page_end=...` must show the same)")
+                     "block's end anchor can name it; `eval lme --memory memex` shows the line of its config's train.reading_tasks)")
     tsk.set_defaults(func=cmd_lme_tasks)
     sco = lme_sub.add_parser("score", help="score one prediction with an eval_function spec: prints 1 or 0")
     sco.add_argument("--eval-function", required=True, help="e.g. 'norm_phrase_set_match|separators=;'")

@@ -19,8 +19,10 @@ checkpoint can be the controller (a reading-trained one, the ALFWorld GRPO one, 
 `extra["checkpoint"]`, run by the engine of `extra["config"]` (memexrl Config: transformers or vLLM, a managed
 vLLM server included, eval.temperature: eval/engine.py), or `extra["engine"]`, an (engine, tokenizer) pair built by the caller. Other settings
 (`--set key=value`): states_per_chunk (2), state_max_chars (2000), max_reads (3), shortlist (12),
-page_end ("": the line `lme tasks --page-end` closed the training pages with), insert_batch (rollout.batch_size:
-trajectories read together, one batched engine call per turn), workdir.
+page_end (""), insert_batch (rollout.batch_size: trajectories read together, one batched engine call per turn),
+workdir. The page format (states_per_chunk, state_max_chars, page_end) defaults to that of the tasks the policy
+trained on, the first task of the config's `train.reading_tasks` when that file is here (`training_page_format`),
+so a controller pages the haystack as it learned to without `--set`; `--set` wins.
 
 Save/load: the SQLite file is the memory; `save` copies it (sqlite backup API) and `load`
 reopens it, so insert -> close -> reopen -> query gives the same context (greedy decoding).
@@ -41,8 +43,9 @@ from common.config import Config, load_config
 from common.engine import GenerationRequest
 from common.errors import MemexError
 from common.trajectory import READING_TASK
+from envs.data import read_games_file
 from envs.pool import EnvResult
-from envs.reading import READING_KIND, ReadingEnv, question_message
+from envs.reading import READING_KIND, ReadingEnv, load_reading_task, question_message
 from eval.lme.memory.base import Memory, MemoryOptions, register
 from memory.catalog import catalog_text, what_it_holds
 from memory.parsing import READ
@@ -67,6 +70,27 @@ def insert_task(trajectory: dict, per_chunk: int, max_chars: int, max_reads: int
     return {"kind": READING_KIND, "id": str(trajectory.get("id", "")), "question": "", "question_type": "",
             "trajectories": [trajectory], "evidence": [], "states_per_page": per_chunk, "state_max_chars": max_chars,
             "max_reads": max_reads, "shortlist": shortlist, "page_end": page_end}
+
+
+def training_page_format(cfg: Config) -> dict:
+    """states_per_chunk, state_max_chars and page_end of the first task in `cfg.train.reading_tasks` (what
+    `lme tasks` wrote for the policy's training: a page end line the policy anchors on, say), or {} when the
+    config names no reading tasks or they are not on this machine (the controller's own defaults then)."""
+    first = cfg.train.reading_tasks.split(",")[0].strip()
+    if not first or not Path(first).expanduser().is_file():
+        return {}
+    try:
+        games = read_games_file(first)
+        task = load_reading_task(games[0]) if games else None
+    except MemexError as e:
+        log.warning("memex: the page format of train.reading_tasks is not read (%s); the defaults are used", e)
+        return {}
+    if task is None:
+        return {}
+    found = {"states_per_chunk": task["states_per_page"], "state_max_chars": task["state_max_chars"],
+             "page_end": task.get("page_end", "")}
+    log.info("memex: pages as the training tasks (%s): %s", first, found)
+    return found
 
 
 class InsertPager:
@@ -94,8 +118,8 @@ class MemexMemory(Memory):
 
     def __init__(self, options: MemoryOptions, store_dir: Path | None = None):
         super().__init__(options)
-        x = options.extra
-        self.cfg: Config = x.get("config") or load_config(None, [])
+        self.cfg: Config = options.extra.get("config") or load_config(None, [])
+        x = {**training_page_format(self.cfg), **options.extra}
         self.checkpoint = resolve_checkpoint(str(x.get("checkpoint") or self.cfg.model.name), "--checkpoint")
         self.per_chunk = int(x.get("states_per_chunk", 2))
         self.max_chars = int(x.get("state_max_chars", 2000))
