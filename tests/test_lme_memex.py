@@ -43,7 +43,7 @@ INSERT = [
         ]}, "Archive the currency."),
     call("finish", {}),
 ]
-QUERY = [call("ReadExperience", {"db_index": "t0000-currency"}, "The currency block."), call("finish", {})]
+QUERY = [call("ReadExperience", {"db_index": "currency"}, "The currency block."), call("finish", {})]
 
 
 @pytest.fixture
@@ -71,10 +71,10 @@ def test_what_the_policy_archives_is_the_context_and_survives_a_restart(options,
     memory.flush()
     assert memory.inserted() == ["traj-42"]
     # The anchor block is copied exactly from the AXTree the policy saw; the catalog names the goal.
-    block = memory.store.read("t0000-currency")
+    block = memory.store.read("currency")
     assert block.mode == "anchor" and block.content == "[a7] heading 'Store settings'\n  [a12] textbox 'Currency' value: 'EUR'"
     assert "Check the store currency" in block.description
-    assert memory.store.read("t0000-facts").content.startswith("The ShopNova store currency is EUR")
+    assert memory.store.read("facts").content.startswith("The ShopNova store currency is EUR")
     first = memory.query("What currency does the ShopNova store use?")
     assert len(first) == 1 and first[0]["type"] == "text" and "value: 'EUR'" in first[0]["value"]
     memory.save(tmp_path / "saved")
@@ -92,17 +92,17 @@ def test_a_missing_saved_memory_is_one_clear_error(options, tmp_path):
 
 
 def test_reads_are_bounded_and_a_bad_index_reads_nothing(tmp_path, smol_tokenizer):
-    reads = [call("ReadExperience", {"db_index": "nope"})] + [call("ReadExperience", {"db_index": "t0000-facts"})] * 5
+    reads = [call("ReadExperience", {"db_index": "nope"})] + [call("ReadExperience", {"db_index": "facts"})] * 5
     engine = ScriptedEngine(smol_tokenizer, {"insert-t0000": INSERT, "query": reads})
     cfg = load_config(None, ["memory.threshold=1000"])
     memory = make_memory("memex", MemoryOptions(extra={"engine": (engine, smol_tokenizer), "config": cfg,
                                                        "workdir": str(tmp_path), "max_reads": 2}))
     memory.insert(TRAJ)
     items = memory.query("currency?")
-    assert [i["value"].split("]")[0] for i in items] == ["[t0000-facts"]  # the same block once, the miss not at all
+    assert [i["value"].split("]")[0] for i in items] == ["[facts"]  # the same block once, the miss not at all
     logged = [json.loads(line) for line in (tmp_path / "query_episodes.jsonl").read_text().splitlines()]
-    assert [(q["question"], q["read"]) for q in logged] == [("currency?", ["t0000-facts"])]
-    assert [s["arguments"]["db_index"] for s in logged[0]["steps"]] == ["nope"] + ["t0000-facts"] * 3  # max_reads + 2 turns
+    assert [(q["question"], q["read"]) for q in logged] == [("currency?", ["facts"])]
+    assert [s["arguments"]["db_index"] for s in logged[0]["steps"]] == ["nope"] + ["facts"] * 3  # max_reads + 2 turns
     memory.close()
 
 
@@ -116,8 +116,29 @@ def test_queued_trajectories_are_read_together_and_keep_their_order(tmp_path, sm
     memory.insert(other)
     memory.flush()
     assert memory.inserted() == ["traj-42", "traj-43"]
-    assert memory.store.indices() == ["t0000-currency", "t0000-facts"]  # the second archived nothing
+    assert memory.store.indices() == ["currency", "facts"]  # the second archived nothing
     episodes = [json.loads(line) for line in (tmp_path / "insert_episodes.jsonl").read_text().splitlines()]
     assert [e["trajectory_id"] for e in episodes] == ["traj-42", "traj-43"]
     assert [e["end_reason"] for e in episodes] == ["finish", "finish"]
     memory.close()
+
+
+@pytest.mark.parametrize("index_names, stored", [
+    ("policy", ["currency", "currency-2", "facts", "facts-2"]),  # the names a training catalog shows
+    ("prefixed", ["t0000-currency", "t0000-facts", "t0001-currency", "t0001-facts"]),
+])
+def test_blocks_are_stored_under_the_policys_own_names_unless_prefixed(tmp_path, smol_tokenizer, index_names, stored):
+    """The reading env's catalog shows the indices the policy wrote (`-2` where a name is taken), so the controller
+    stores them so by default: a policy trained there reads `currency`, not `t0000-currency`."""
+    other = {**TRAJ, "id": "traj-43"}
+    engine = ScriptedEngine(smol_tokenizer, {"insert-t0000": INSERT, "insert-t0001": INSERT})
+    cfg = load_config(None, ["memory.threshold=1000"])
+    memory = make_memory("memex", MemoryOptions(extra={"engine": (engine, smol_tokenizer), "config": cfg,
+                                                       "workdir": str(tmp_path), "index_names": index_names}))
+    memory.insert(TRAJ)
+    memory.insert(other)
+    memory.flush()
+    assert sorted(memory.store.indices()) == stored
+    memory.close()
+    with pytest.raises(MemexError, match="index_names must be"):
+        make_memory("memex", MemoryOptions(extra={"config": cfg, "workdir": str(tmp_path / "x"), "index_names": "t"}))

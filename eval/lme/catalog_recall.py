@@ -33,11 +33,10 @@ from rewards.reading import evidence_found
 
 def all_pages_archive(trajectories: list[dict], states_per_page: int, state_max_chars: int) -> InMemoryStore:
     """Every page of `trajectories` (as ReadingEnv pages them at insert) as one explicit block each."""
-    store = InMemoryStore()
-    for n, trajectory in enumerate(trajectories):
+    store, taken = InMemoryStore(), set()  # one namespace, `-2` on a taken name: the memex controller's default
+    for trajectory in trajectories:
         env = ReadingEnv(insert_task(trajectory, states_per_page, state_max_chars, 1, 1))
         env.reset()
-        taken: set[str] = set()
         for page in env.pages:
             text, *_ = env.step("next")
             states = [k for _, k in page]
@@ -45,7 +44,6 @@ def all_pages_archive(trajectories: list[dict], states_per_page: int, state_max_
                                           for k in states))
             index, what = page_entry(text, headings, states[0], states[-1], taken)
             taken.add(index)
-            index = f"t{n:04d}-{index}"  # the memex controller's per-trajectory prefix (eval/lme/memory/memex.py)
             store.write_many([BlockWrite(index, text, "explicit", f"- {index}: {what}")], step=len(store))
     return store
 

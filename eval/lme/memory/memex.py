@@ -8,8 +8,11 @@ Insert: each haystack trajectory is one reading episode of the reading env over 
 capped at `state_max_chars`); after the last page the agent archives and asks for the question, and the insert
 episode ends there (the question comes at query time). What it archived with CompressExperience (anchor blocks
 copied exactly from the AXTree text, explicit blocks it writes) goes into a durable SQLite experience store
-(memory/store.py) under `t<NNNN>-<its db_index>` of the trajectory's ordinal, described by the index-map line
-that named it plus the trajectory's goal: the catalog. What the policy did not archive, the memory does not have.
+(memory/store.py) under the index the policy gave it, `-2`, `-3`, ... when an earlier trajectory took that name,
+as one reading episode's archive names them in training (`index_names: policy`, the default; `prefixed` keeps the
+first controller's `t<NNNN>-<db_index>` of the trajectory's ordinal, which no training catalog shows: the reading
+start at step 50 read `shopnova-products` where the catalog said `t0000-shopnova-products`, docs/results.md section 3),
+described by the index-map line that named it plus the trajectory's goal: the catalog. What the policy did not archive, the memory does not have.
 
 Query: the question phase of the reading env: a fresh context holding the question and the catalog
 (memory/catalog.py: a bm25 shortlist of `shortlist` lines, as a 500-trajectory catalog does not fit in a
@@ -19,7 +22,7 @@ checkpoint can be the controller (a reading-trained one, the ALFWorld GRPO one, 
 `extra["checkpoint"]`, run by the engine of `extra["config"]` (memexrl Config: transformers or vLLM, a managed
 vLLM server included, eval.temperature: eval/engine.py), or `extra["engine"]`, an (engine, tokenizer) pair built by the caller. Other settings
 (`--set key=value`): states_per_chunk (2), state_max_chars (2000), max_reads (3), shortlist (12),
-page_end (""), insert_batch (rollout.batch_size: trajectories read together, one batched engine call per turn),
+page_end (""), index_names (policy), insert_batch (rollout.batch_size: trajectories read together, one batched engine call per turn),
 workdir. The page format (states_per_chunk, state_max_chars, page_end) defaults to that of the tasks the policy
 trained on, the first task of the config's `train.reading_tasks` when that file is here (`training_page_format`),
 so a controller pages the haystack as it learned to without `--set`; `--set` wins.
@@ -44,6 +47,7 @@ from common.engine import GenerationRequest
 from common.errors import MemexError
 from common.trajectory import READING_TASK
 from envs.data import read_games_file
+from envs.lme_records import unique_index
 from envs.pool import EnvResult
 from envs.reading import READING_KIND, ReadingEnv, load_reading_task, question_message
 from eval.lme.memory.base import Memory, MemoryOptions, register
@@ -126,6 +130,9 @@ class MemexMemory(Memory):
         self.max_reads = int(x.get("max_reads", 3))
         self.shortlist = int(x.get("shortlist", 12))
         self.page_end = str(x.get("page_end", ""))  # the training tasks' `lme tasks --page-end`
+        self.index_names = str(x.get("index_names", "policy"))
+        if self.index_names not in ("policy", "prefixed"):
+            raise MemexError(f"memex: index_names must be 'policy' or 'prefixed', got {self.index_names!r}")
         self.dir = Path(store_dir or x.get("workdir") or "runs/lme-memex")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.store = SQLiteStore(self.dir / STORE_FILE, BLOCKS)
@@ -212,11 +219,13 @@ class MemexMemory(Memory):
         self.meta.write_many([BlockWrite("inserted", json.dumps(ids), "explicit")], step=0)
 
     def _archive(self, prefix: str, trajectory: dict, scratch: InMemoryStore, ordinal: int) -> None:
-        """The blocks the policy archived while reading one trajectory, into the durable store under its prefix."""
+        """The blocks the policy archived while reading one trajectory, into the durable store (see index_names)."""
         goal = str(trajectory.get("goal", ""))[:200]
-        blocks = [BlockWrite(f"{prefix}-{b.index}"[:64], b.content, b.mode,
-                             f"{what_it_holds(b.index, b.description)} (trajectory goal: {goal})")
-                  for b in (scratch.read(i) for i in scratch.indices())]
+        taken, blocks = set(self.store.indices()), []
+        for b in (scratch.read(i) for i in scratch.indices()):
+            name = f"{prefix}-{b.index}"[:64] if self.index_names == "prefixed" else unique_index(b.index[:60], taken)
+            taken.add(name)
+            blocks.append(BlockWrite(name, b.content, b.mode, f"{what_it_holds(b.index, b.description)} (trajectory goal: {goal})"))
         if blocks:
             self.store.write_many(blocks, step=ordinal)
 
