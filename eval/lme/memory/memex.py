@@ -77,19 +77,19 @@ def insert_task(trajectory: dict, per_chunk: int, max_chars: int, max_reads: int
 
 
 def training_page_format(cfg: Config) -> dict:
-    """states_per_chunk, state_max_chars and page_end of the first task in `cfg.train.reading_tasks` (what
-    `lme tasks` wrote for the policy's training: a page end line the policy anchors on, say), or {} when the
+    """states_per_chunk, state_max_chars and page_end of the first task in `cfg.train.reading_tasks` (the pages
+    `lme tasks` made for the policy's training, e.g. the page end line its anchor blocks end at), or {} when the
     config names no reading tasks or they are not on this machine (the controller's own defaults then)."""
     first = cfg.train.reading_tasks.split(",")[0].strip()
     if not first or not Path(first).expanduser().is_file():
         return {}
     try:
         games = read_games_file(first)
-        task = load_reading_task(games[0]) if games else None
+        if not games:
+            return {}
+        task = load_reading_task(games[0])
     except MemexError as e:
         log.warning("memex: the page format of train.reading_tasks is not read (%s); the defaults are used", e)
-        return {}
-    if task is None:
         return {}
     found = {"states_per_chunk": task["states_per_page"], "state_max_chars": task["state_max_chars"],
              "page_end": task.get("page_end", "")}
