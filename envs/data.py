@@ -347,3 +347,10 @@ def ordered_games(split: str, data_dir: str = "", order: str = "sorted", task_ty
     for game in games:
         by_type[task_type_of(game)].append(game)
     return [g for row in itertools.zip_longest(*by_type.values()) for g in row if g is not None]
+
+
+def reading_task_files(reading_tasks: str) -> list[str]:
+    """The games files `train.reading_tasks` names: one, or several comma-separated, in their order (blank
+    items skipped). The trainer's pool reads them all; `eval lme --memory memex` takes the first one's page
+    format."""
+    return [item.strip() for item in reading_tasks.split(",") if item.strip()]

@@ -309,6 +309,10 @@ def test_the_memex_controller_pages_as_its_training_tasks_did(tasks_with_page_en
     reading = load_config(None, ["train.env=reading", f"train.reading_tasks={tasks_with_page_end / GAMES_FILE}"])
     trained = MemexMemory(MemoryOptions(extra={"config": reading, "workdir": str(tmp_path / "a")}))
     assert (trained.page_end, trained.per_chunk, trained.max_chars) == (PAGE_END, 2, 400)
+    # the list's first games file, as the trainer's pool reads it: blank items skipped
+    listed = load_config(None, ["train.env=reading", f"train.reading_tasks= ,{tasks_with_page_end / GAMES_FILE},x"])
+    from_list = MemexMemory(MemoryOptions(extra={"config": listed, "workdir": str(tmp_path / "d")}))
+    assert from_list.page_end == PAGE_END
     overridden = MemexMemory(MemoryOptions(extra={"config": reading, "workdir": str(tmp_path / "b"), "page_end": ""}))
     assert (overridden.page_end, overridden.per_chunk) == ("", 2)
     alfworld = MemexMemory(MemoryOptions(extra={"config": load_config(None, []), "workdir": str(tmp_path / "c")}))

@@ -132,9 +132,9 @@ class MixedSampler:
 
 def reading_pool(reading_tasks: str) -> list[str]:
     """The reading tasks of train.reading_tasks: one games file, or several comma-separated, in their order."""
-    from envs.data import read_games_file
+    from envs.data import read_games_file, reading_task_files
 
-    return [str(g) for f in reading_tasks.split(",") if f.strip() for g in read_games_file(f.strip())]
+    return [str(g) for f in reading_task_files(reading_tasks) for g in read_games_file(f)]
 
 
 def make_task_sampler(t, data_dir: str, seed: int) -> TaskSampler | MixedSampler:

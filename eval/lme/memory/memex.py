@@ -46,7 +46,7 @@ from common.config import Config, load_config
 from common.engine import GenerationRequest
 from common.errors import MemexError
 from common.trajectory import READING_TASK
-from envs.data import read_games_file
+from envs.data import read_games_file, reading_task_files
 from envs.lme_records import unique_index
 from envs.pool import EnvResult
 from envs.reading import READING_KIND, ReadingEnv, load_reading_task, question_message
@@ -80,7 +80,8 @@ def training_page_format(cfg: Config) -> dict:
     """states_per_chunk, state_max_chars and page_end of the first task in `cfg.train.reading_tasks` (the pages
     `lme tasks` made for the policy's training, e.g. the page end line its anchor blocks end at), or {} when the
     config names no reading tasks or they are not on this machine (the controller's own defaults then)."""
-    first = cfg.train.reading_tasks.split(",")[0].strip()
+    files = reading_task_files(cfg.train.reading_tasks)
+    first = files[0] if files else ""
     if not first or not Path(first).expanduser().is_file():
         return {}
     try:
