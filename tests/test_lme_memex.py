@@ -70,10 +70,11 @@ def test_what_the_policy_archives_is_the_context_and_survives_a_restart(options,
     assert memory.inserted() == []  # queued: read in a batch at flush (the harness flushes after the last insert)
     memory.flush()
     assert memory.inserted() == ["traj-42"]
-    # The anchor block is copied exactly from the AXTree the policy saw; the catalog names the goal.
+    # The anchor block is copied exactly from the AXTree the policy saw; its catalog line is the policy's own
+    # index-map line, as in a training catalog (no trajectory goal: catalog_goal is false by default).
     block = memory.store.read("currency")
     assert block.mode == "anchor" and block.content == "[a7] heading 'Store settings'\n  [a12] textbox 'Currency' value: 'EUR'"
-    assert "Check the store currency" in block.description
+    assert block.description == "the settings page with the currency field"
     assert memory.store.read("facts").content.startswith("The ShopNova store currency is EUR")
     first = memory.query("What currency does the ShopNova store use?")
     assert len(first) == 1 and first[0]["type"] == "text" and "value: 'EUR'" in first[0]["value"]
@@ -142,3 +143,15 @@ def test_blocks_are_stored_under_the_policys_own_names_unless_prefixed(tmp_path,
     memory.close()
     with pytest.raises(MemexError, match="index_names must be"):
         make_memory("memex", MemoryOptions(extra={"config": cfg, "workdir": str(tmp_path / "x"), "index_names": "t"}))
+
+
+def test_catalog_goal_appends_the_trajectorys_goal_to_each_catalog_line(tmp_path, options):
+    """`--set catalog_goal=true`: the first controller's catalog lines, `<what it holds> (trajectory goal: ...)`."""
+    memory = make_memory("memex", MemoryOptions(extra={**options(tmp_path / "a").extra, "catalog_goal": True}))
+    memory.insert(TRAJ)
+    memory.flush()
+    expected = "the settings page with the currency field (trajectory goal: Check the store currency)"
+    assert memory.store.read("currency").description == expected
+    memory.close()
+    with pytest.raises(MemexError, match="catalog_goal must be true or false"):
+        make_memory("memex", MemoryOptions(extra={**options(tmp_path / "b").extra, "catalog_goal": "yes"}))

@@ -12,7 +12,10 @@ copied exactly from the AXTree text, explicit blocks it writes) goes into a dura
 as one reading episode's archive names them in training (`index_names: policy`, the default; `prefixed` keeps the
 first controller's `t<NNNN>-<db_index>` of the trajectory's ordinal, which no training catalog shows: the reading
 start at step 50 read `shopnova-products` where the catalog said `t0000-shopnova-products`, docs/results.md section 3),
-described by the index-map line that named it plus the trajectory's goal: the catalog. What the policy did not archive, the memory does not have.
+described by the index-map line that named it, as a training catalog line is (`catalog_goal: true` appends the
+trajectory's goal, which no training catalog shows: the page-end start at step 60 answered such a catalog with an
+empty reply at all 21 held-out questions, and read blocks without it, docs/results.md section 3): the catalog. What the
+policy did not archive, the memory does not have.
 
 Query: the question phase of the reading env: a fresh context holding the question and the catalog
 (memory/catalog.py: a bm25 shortlist of `shortlist` lines, as a 500-trajectory catalog does not fit in a
@@ -22,7 +25,7 @@ checkpoint can be the controller (a reading-trained one, the ALFWorld GRPO one, 
 `extra["checkpoint"]`, run by the engine of `extra["config"]` (memexrl Config: transformers or vLLM, a managed
 vLLM server included, eval.temperature: eval/engine.py), or `extra["engine"]`, an (engine, tokenizer) pair built by the caller. Other settings
 (`--set key=value`): states_per_chunk (2), state_max_chars (2000), max_reads (3), shortlist (12),
-page_end (""), index_names (policy), insert_batch (rollout.batch_size: trajectories read together, one batched engine call per turn),
+page_end (""), index_names (policy), catalog_goal (false), insert_batch (rollout.batch_size: trajectories read together, one batched engine call per turn),
 workdir. The page format (states_per_chunk, state_max_chars, page_end) defaults to that of the tasks the policy
 trained on, the first task of the config's `train.reading_tasks` when that file is here (`training_page_format`),
 so a controller pages the haystack as it learned to without `--set`; `--set` wins.
@@ -134,6 +137,9 @@ class MemexMemory(Memory):
         self.index_names = str(x.get("index_names", "policy"))
         if self.index_names not in ("policy", "prefixed"):
             raise MemexError(f"memex: index_names must be 'policy' or 'prefixed', got {self.index_names!r}")
+        self.catalog_goal = x.get("catalog_goal", False)
+        if not isinstance(self.catalog_goal, bool):
+            raise MemexError(f"memex: catalog_goal must be true or false, got {self.catalog_goal!r}")
         self.dir = Path(store_dir or x.get("workdir") or "runs/lme-memex")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.store = SQLiteStore(self.dir / STORE_FILE, BLOCKS)
@@ -221,12 +227,12 @@ class MemexMemory(Memory):
 
     def _archive(self, prefix: str, trajectory: dict, scratch: InMemoryStore, ordinal: int) -> None:
         """The blocks the policy archived while reading one trajectory, into the durable store (see index_names)."""
-        goal = str(trajectory.get("goal", ""))[:200]
+        goal = f" (trajectory goal: {str(trajectory.get('goal', ''))[:200]})" if self.catalog_goal else ""
         taken, blocks = set(self.store.indices()), []
         for b in (scratch.read(i) for i in scratch.indices()):
             name = f"{prefix}-{b.index}"[:64] if self.index_names == "prefixed" else unique_index(b.index[:60], taken)
             taken.add(name)
-            blocks.append(BlockWrite(name, b.content, b.mode, f"{what_it_holds(b.index, b.description)} (trajectory goal: {goal})"))
+            blocks.append(BlockWrite(name, b.content, b.mode, what_it_holds(b.index, b.description) + goal))
         if blocks:
             self.store.write_many(blocks, step=ordinal)
 
