@@ -155,3 +155,23 @@ def test_catalog_goal_appends_the_trajectorys_goal_to_each_catalog_line(tmp_path
     memory.close()
     with pytest.raises(MemexError, match="catalog_goal must be true or false"):
         make_memory("memex", MemoryOptions(extra={**options(tmp_path / "b").extra, "catalog_goal": "yes"}))
+
+
+def test_an_env_action_at_query_time_gets_the_reading_envs_answer_and_the_reads_still_count(tmp_path, smol_tokenizer):
+    """The policy may call execute_action after the question (the page-end start at step 60 did, with "next"): the
+    controller answers as the reading env does then (NO_MORE_STATES), so the call is a recorded turn with a reply,
+    not an unanswered call the next turn is generated after, and the read that follows reaches the context."""
+    from envs.reading import NO_MORE_STATES
+
+    query = [call("execute_action", {"action": "next"}, "Block 'currency' is the catalog's next match."), *QUERY]
+    engine = ScriptedEngine(smol_tokenizer, {"insert-t0000": INSERT, "query": query})
+    cfg = load_config(None, ["memory.threshold=1000", "rollout.max_context_tokens=8192"])
+    memory = make_memory("memex", MemoryOptions(extra={"engine": (engine, smol_tokenizer), "config": cfg,
+                                                       "workdir": str(tmp_path)}))
+    memory.insert(TRAJ)
+    context = memory.query("What currency does the ShopNova store use?")
+    assert len(context) == 1 and "value: 'EUR'" in context[0]["value"]
+    (episode,) = [json.loads(line) for line in (tmp_path / "query_episodes.jsonl").read_text().splitlines()]
+    assert [s["tool"] for s in episode["steps"]] == ["execute_action", "ReadExperience", "finish"]
+    assert episode["steps"][0]["observation"].startswith(NO_MORE_STATES)
+    memory.close()

@@ -20,7 +20,7 @@ policy did not archive, the memory does not have.
 Query: the question phase of the reading env: a fresh context holding the question and the catalog
 (memory/catalog.py: a bm25 shortlist of `shortlist` lines, as a 500-trajectory catalog does not fit in a
 prompt); the agent reads at most `max_reads` blocks with ReadExperience (the episode ends at finish, at the
-read budget, or at the step limit). The blocks it read, in reading order, are the memory context. Any
+read budget, or at the step limit; an execute_action gets the env's answer after its question, NO_MORE_STATES). The blocks it read, in reading order, are the memory context. Any
 checkpoint can be the controller (a reading-trained one, the ALFWorld GRPO one, a base model):
 `extra["checkpoint"]`, run by the engine of `extra["config"]` (memexrl Config: transformers or vLLM, a managed
 vLLM server included, eval.temperature: eval/engine.py), or `extra["engine"]`, an (engine, tokenizer) pair built by the caller. Other settings
@@ -52,7 +52,7 @@ from common.trajectory import READING_TASK
 from envs.data import read_games_file, reading_task_files
 from envs.lme_records import unique_index
 from envs.pool import EnvResult
-from envs.reading import READING_KIND, ReadingEnv, load_reading_task, question_message
+from envs.reading import NO_MORE_STATES, READING_KIND, ReadingEnv, load_reading_task, question_message
 from eval.lme.memory.base import Memory, MemoryOptions, register
 from memory.catalog import catalog_text, what_it_holds
 from memory.parsing import READ
@@ -69,6 +69,9 @@ QUERY_EPISODES_FILE = "query_episodes.jsonl"  # the question episodes (trajector
 TAIL_STEPS = 3  # turns after the last chunk to archive and finish
 BLOCKS, META = "lme", "lme-meta"  # store namespaces: the archived blocks; the inserted trajectory ids
 READ_DONE = "The trajectory is read: its archive is kept for the questions."
+# An execute_action at query time: the reading env's answer after its question (the policy gets an observation, as in
+# training; left unanswered, the call sat in the context with no reply and the policy wrote empty turns after it)
+AFTER_THE_QUESTION = EnvResult("lme", NO_MORE_STATES, 0.0, False, False, {"advances": False})
 
 
 def insert_task(trajectory: dict, per_chunk: int, max_chars: int, max_reads: int, shortlist: int,
@@ -246,7 +249,8 @@ class MemexMemory(Memory):
         read: list[str] = []  # (one question at a time: the latency of query() is its own)
         while not episode.done and len(read) < self.max_reads:
             req = GenerationRequest(episode.id, episode.request_ids(), episode.max_new_tokens(), state=episode)
-            episode.on_completion(engine.generate([req])[0])
+            if episode.on_completion(engine.generate([req])[0]) is not None:  # an env action: answered as the
+                episode.on_env_result(AFTER_THE_QUESTION)  # reading env answers it after its question
             last = episode.traj.steps[-1] if episode.traj.steps else None
             if last is not None and last.tool == READ and last.error is None:
                 key = last.arguments["db_index"]
