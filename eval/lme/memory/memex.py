@@ -13,9 +13,9 @@ as one reading episode's archive names them in training (`index_names: policy`, 
 first controller's `t<NNNN>-<db_index>` of the trajectory's ordinal, which no training catalog shows: the reading
 start at step 50 read `shopnova-products` where the catalog said `t0000-shopnova-products`, docs/results.md section 3),
 described by the index-map line that named it, as a training catalog line is (`catalog_goal: true` appends the
-trajectory's goal, which no training catalog shows: the page-end start at step 60 answered such a catalog with an
-empty reply at all 21 held-out questions, and read blocks without it, docs/results.md section 3): the catalog. What the
-policy did not archive, the memory does not have.
+trajectory's goal, which no training catalog shows; without it the catalog's first 3 blocks reach as much evidence or
+more, `lme catalog-recall`, docs/results.md section 3): the catalog. What the policy did not archive, the memory does
+not have.
 
 Query: the question phase of the reading env: a fresh context holding the question and the catalog
 (memory/catalog.py: a bm25 shortlist of `shortlist` lines, as a 500-trajectory catalog does not fit in a
