@@ -48,8 +48,8 @@ QUERY = [call("ReadExperience", {"db_index": "currency"}, "The currency block.")
 
 @pytest.fixture
 def options(tmp_path, smol_tokenizer):
-    def make(workdir):
-        engine = ScriptedEngine(smol_tokenizer, {"insert-t0000": INSERT, "query": QUERY})
+    def make(workdir, query=QUERY):
+        engine = ScriptedEngine(smol_tokenizer, {"insert-t0000": INSERT, "query": query})
         cfg = load_config(None, ["memory.threshold=1000", "rollout.max_context_tokens=8192"])
         return MemoryOptions(extra={"engine": (engine, smol_tokenizer), "config": cfg, "workdir": str(workdir)})
     return make
@@ -157,17 +157,14 @@ def test_catalog_goal_appends_the_trajectorys_goal_to_each_catalog_line(tmp_path
         make_memory("memex", MemoryOptions(extra={**options(tmp_path / "b").extra, "catalog_goal": "yes"}))
 
 
-def test_an_env_action_at_query_time_gets_the_reading_envs_answer_and_the_reads_still_count(tmp_path, smol_tokenizer):
+def test_an_env_action_at_query_time_gets_the_reading_envs_answer_and_the_reads_still_count(tmp_path, options):
     """The policy may call execute_action after the question (the page-end start at step 60 did, with "next"): the
     controller answers as the reading env does then (NO_MORE_STATES), so the call is a recorded turn with a reply,
     not an unanswered call the next turn is generated after, and the read that follows reaches the context."""
     from envs.reading import NO_MORE_STATES
 
     query = [call("execute_action", {"action": "next"}, "Block 'currency' is the catalog's next match."), *QUERY]
-    engine = ScriptedEngine(smol_tokenizer, {"insert-t0000": INSERT, "query": query})
-    cfg = load_config(None, ["memory.threshold=1000", "rollout.max_context_tokens=8192"])
-    memory = make_memory("memex", MemoryOptions(extra={"engine": (engine, smol_tokenizer), "config": cfg,
-                                                       "workdir": str(tmp_path)}))
+    memory = make_memory("memex", options(tmp_path, query))
     memory.insert(TRAJ)
     context = memory.query("What currency does the ShopNova store use?")
     assert len(context) == 1 and "value: 'EUR'" in context[0]["value"]

@@ -69,9 +69,13 @@ QUERY_EPISODES_FILE = "query_episodes.jsonl"  # the question episodes (trajector
 TAIL_STEPS = 3  # turns after the last chunk to archive and finish
 BLOCKS, META = "lme", "lme-meta"  # store namespaces: the archived blocks; the inserted trajectory ids
 READ_DONE = "The trajectory is read: its archive is kept for the questions."
-# An execute_action at query time: the reading env's answer after its question (the policy gets an observation, as in
-# training; left unanswered, the call sat in the context with no reply and the policy wrote empty turns after it)
-AFTER_THE_QUESTION = EnvResult("lme", NO_MORE_STATES, 0.0, False, False, {"advances": False})
+
+
+def after_the_question() -> EnvResult:
+    """The answer to an execute_action at query time: the reading env's after its question (the policy gets an
+    observation, as in training; left unanswered, the call sat in the context with no reply and the policy wrote
+    empty turns after it). A new one each time: the agent loop keeps the answer's info."""
+    return EnvResult("lme", NO_MORE_STATES, 0.0, False, False, {"advances": False})
 
 
 def insert_task(trajectory: dict, per_chunk: int, max_chars: int, max_reads: int, shortlist: int,
@@ -249,8 +253,8 @@ class MemexMemory(Memory):
         read: list[str] = []  # (one question at a time: the latency of query() is its own)
         while not episode.done and len(read) < self.max_reads:
             req = GenerationRequest(episode.id, episode.request_ids(), episode.max_new_tokens(), state=episode)
-            if episode.on_completion(engine.generate([req])[0]) is not None:  # an env action: answered as the
-                episode.on_env_result(AFTER_THE_QUESTION)  # reading env answers it after its question
+            if episode.on_completion(engine.generate([req])[0]) is not None:  # an env action
+                episode.on_env_result(after_the_question())
             last = episode.traj.steps[-1] if episode.traj.steps else None
             if last is not None and last.tool == READ and last.error is None:
                 key = last.arguments["db_index"]
