@@ -222,9 +222,10 @@ class MemexMemory(Memory):
             episode = self._episode(scratches[-1], len(pager.env.pages) + TAIL_STEPS, pager.reset(), f"insert-{prefix}")
             games.append((episode, pager))
         self._play(games)
+        taken = set(self.store.indices())  # the names stored so far; each trajectory's blocks add theirs
         with (self.dir / EPISODES_FILE).open("a") as log_file:
             for n, (trajectory, (episode, _), scratch) in enumerate(zip(pending, games, scratches)):
-                self._archive(f"t{len(ids) + n:04d}", trajectory, scratch, len(ids) + n)
+                self._archive(trajectory, scratch, len(ids) + n, taken)
                 # what the policy did, for inspection
                 log_file.write(json.dumps({"trajectory_id": trajectory["id"], **episode.traj.to_json()}) + "\n")
                 log.info("memex insert t%04d (%s): %d steps, %d blocks archived", len(ids) + n, trajectory["id"],
@@ -232,12 +233,13 @@ class MemexMemory(Memory):
         ids += [t["id"] for t in pending]
         self.meta.write_many([BlockWrite("inserted", json.dumps(ids), "explicit")], step=0)
 
-    def _archive(self, prefix: str, trajectory: dict, scratch: InMemoryStore, ordinal: int) -> None:
-        """The blocks the policy archived while reading one trajectory, into the durable store (see index_names)."""
+    def _archive(self, trajectory: dict, scratch: InMemoryStore, ordinal: int, taken: set[str]) -> None:
+        """The blocks the policy archived while reading the `ordinal`-th trajectory, into the durable store (see
+        index_names); `taken`, the names already stored, gets theirs."""
         goal = f" (trajectory goal: {str(trajectory.get('goal', ''))[:200]})" if self.catalog_goal else ""
-        taken, blocks = set(self.store.indices()), []
+        blocks = []
         for b in (scratch.read(i) for i in scratch.indices()):
-            name = f"{prefix}-{b.index}"[:64] if self.index_names == "prefixed" else unique_index(b.index[:60], taken)
+            name = f"t{ordinal:04d}-{b.index}"[:64] if self.index_names == "prefixed" else unique_index(b.index[:60], taken)
             taken.add(name)
             blocks.append(BlockWrite(name, b.content, b.mode, what_it_holds(b.index, b.description) + goal))
         if blocks:
