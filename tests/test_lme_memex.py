@@ -48,10 +48,13 @@ QUERY = [call("ReadExperience", {"db_index": "currency"}, "The currency block.")
 
 @pytest.fixture
 def options(tmp_path, smol_tokenizer):
-    def make(workdir, query=QUERY):
-        engine = ScriptedEngine(smol_tokenizer, {"insert-t0000": INSERT, "query": query})
+    def make(workdir, query=QUERY, inserts=(INSERT,), **settings):
+        """The options of a memex memory whose policy plays `inserts` (one script a trajectory, in order) and `query`."""
+        scripts = {f"insert-t{n:04d}": script for n, script in enumerate(inserts)}
+        engine = ScriptedEngine(smol_tokenizer, {**scripts, "query": query})
         cfg = load_config(None, ["memory.threshold=1000", "rollout.max_context_tokens=8192"])
-        return MemoryOptions(extra={"engine": (engine, smol_tokenizer), "config": cfg, "workdir": str(workdir)})
+        return MemoryOptions(extra={"engine": (engine, smol_tokenizer), "config": cfg, "workdir": str(workdir),
+                                    **settings})
     return make
 
 
@@ -92,12 +95,9 @@ def test_a_missing_saved_memory_is_one_clear_error(options, tmp_path):
         load_memory("memex", tmp_path / "nothing", options(tmp_path / "w"))
 
 
-def test_reads_are_bounded_and_a_bad_index_reads_nothing(tmp_path, smol_tokenizer):
+def test_reads_are_bounded_and_a_bad_index_reads_nothing(tmp_path, options):
     reads = [call("ReadExperience", {"db_index": "nope"})] + [call("ReadExperience", {"db_index": "facts"})] * 5
-    engine = ScriptedEngine(smol_tokenizer, {"insert-t0000": INSERT, "query": reads})
-    cfg = load_config(None, ["memory.threshold=1000"])
-    memory = make_memory("memex", MemoryOptions(extra={"engine": (engine, smol_tokenizer), "config": cfg,
-                                                       "workdir": str(tmp_path), "max_reads": 2}))
+    memory = make_memory("memex", options(tmp_path, reads, max_reads=2))
     memory.insert(TRAJ)
     items = memory.query("currency?")
     assert [i["value"].split("]")[0] for i in items] == ["[facts"]  # the same block once, the miss not at all
@@ -107,12 +107,9 @@ def test_reads_are_bounded_and_a_bad_index_reads_nothing(tmp_path, smol_tokenize
     memory.close()
 
 
-def test_queued_trajectories_are_read_together_and_keep_their_order(tmp_path, smol_tokenizer):
+def test_queued_trajectories_are_read_together_and_keep_their_order(tmp_path, options):
     other = {**TRAJ, "id": "traj-43", "goal": "Look at the orders"}
-    engine = ScriptedEngine(smol_tokenizer, {"insert-t0000": INSERT, "insert-t0001": INSERT[:2] + INSERT[3:]})
-    cfg = load_config(None, ["memory.threshold=1000"])
-    memory = make_memory("memex", MemoryOptions(extra={"engine": (engine, smol_tokenizer), "config": cfg,
-                                                       "workdir": str(tmp_path), "insert_batch": 8}))
+    memory = make_memory("memex", options(tmp_path, inserts=(INSERT, INSERT[:2] + INSERT[3:]), insert_batch=8))
     memory.insert(TRAJ)
     memory.insert(other)
     memory.flush()
@@ -128,33 +125,30 @@ def test_queued_trajectories_are_read_together_and_keep_their_order(tmp_path, sm
     ("policy", ["currency", "currency-2", "facts", "facts-2"]),  # the names a training catalog shows
     ("prefixed", ["t0000-currency", "t0000-facts", "t0001-currency", "t0001-facts"]),
 ])
-def test_blocks_are_stored_under_the_policys_own_names_unless_prefixed(tmp_path, smol_tokenizer, index_names, stored):
+def test_blocks_are_stored_under_the_policys_own_names_unless_prefixed(tmp_path, options, index_names, stored):
     """The reading env's catalog shows the indices the policy wrote (`-2` where a name is taken), so the controller
     stores them so by default: a policy trained there reads `currency`, not `t0000-currency`."""
     other = {**TRAJ, "id": "traj-43"}
-    engine = ScriptedEngine(smol_tokenizer, {"insert-t0000": INSERT, "insert-t0001": INSERT})
-    cfg = load_config(None, ["memory.threshold=1000"])
-    memory = make_memory("memex", MemoryOptions(extra={"engine": (engine, smol_tokenizer), "config": cfg,
-                                                       "workdir": str(tmp_path), "index_names": index_names}))
+    memory = make_memory("memex", options(tmp_path, inserts=(INSERT, INSERT), index_names=index_names))
     memory.insert(TRAJ)
     memory.insert(other)
     memory.flush()
     assert sorted(memory.store.indices()) == stored
     memory.close()
     with pytest.raises(MemexError, match="index_names must be"):
-        make_memory("memex", MemoryOptions(extra={"config": cfg, "workdir": str(tmp_path / "x"), "index_names": "t"}))
+        make_memory("memex", options(tmp_path / "x", index_names="t"))
 
 
 def test_catalog_goal_appends_the_trajectorys_goal_to_each_catalog_line(tmp_path, options):
     """`--set catalog_goal=true`: the first controller's catalog lines, `<what it holds> (trajectory goal: ...)`."""
-    memory = make_memory("memex", MemoryOptions(extra={**options(tmp_path / "a").extra, "catalog_goal": True}))
+    memory = make_memory("memex", options(tmp_path / "a", catalog_goal=True))
     memory.insert(TRAJ)
     memory.flush()
     expected = "the settings page with the currency field (trajectory goal: Check the store currency)"
     assert memory.store.read("currency").description == expected
     memory.close()
     with pytest.raises(MemexError, match="catalog_goal must be true or false"):
-        make_memory("memex", MemoryOptions(extra={**options(tmp_path / "b").extra, "catalog_goal": "yes"}))
+        make_memory("memex", options(tmp_path / "b", catalog_goal="yes"))
 
 
 def test_an_env_action_at_query_time_gets_the_reading_envs_answer_and_the_reads_still_count(tmp_path, options):
