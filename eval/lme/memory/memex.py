@@ -20,7 +20,7 @@ not have.
 Query: the question phase of the reading env: a fresh context holding the question and the catalog
 (memory/catalog.py: a bm25 shortlist of `shortlist` lines, as a 500-trajectory catalog does not fit in a
 prompt); the agent reads at most `max_reads` blocks with ReadExperience (the episode ends at finish, at the
-read budget, or at the step limit; an execute_action gets the env's answer after its question, NO_MORE_STATES). The blocks it read, in reading order, are the memory context. Any
+read budget, or at the step limit; an execute_action gets the answer of the reading env after its question, NO_MORE_STATES: QueryPager). The blocks it read, in reading order, are the memory context. Any
 checkpoint can be the controller (a reading-trained one, the ALFWorld GRPO one, a base model):
 `extra["checkpoint"]`, run by the engine of `extra["config"]` (memexrl Config: transformers or vLLM, a managed
 vLLM server included, eval.temperature: eval/engine.py), or `extra["engine"]`, an (engine, tokenizer) pair built by the caller. Other settings
@@ -52,7 +52,7 @@ from common.trajectory import READING_TASK
 from envs.data import read_games_file, reading_task_files
 from envs.lme_records import unique_index
 from envs.pool import EnvResult
-from envs.reading import NO_MORE_STATES, READING_KIND, ReadingEnv, load_reading_task, question_message
+from envs.reading import READING_KIND, ReadingEnv, load_reading_task
 from eval.lme.memory.base import Memory, MemoryOptions, register
 from memory.catalog import catalog_text, what_it_holds
 from memory.parsing import READ
@@ -69,13 +69,6 @@ QUERY_EPISODES_FILE = "query_episodes.jsonl"  # the question episodes (trajector
 TAIL_STEPS = 3  # turns after the last chunk to archive and finish
 BLOCKS, META = "lme", "lme-meta"  # store namespaces: the archived blocks; the inserted trajectory ids
 READ_DONE = "The trajectory is read: its archive is kept for the questions."
-
-
-def after_the_question() -> EnvResult:
-    """The answer to an execute_action at query time: the reading env's after its question (the policy gets an
-    observation, as in training; left unanswered, the call sat in the context with no reply and the policy wrote
-    empty turns after it). A new one each time: the agent loop keeps the answer's info."""
-    return EnvResult("lme", NO_MORE_STATES, 0.0, False, False, {"advances": False})
 
 
 def insert_task(trajectory: dict, per_chunk: int, max_chars: int, max_reads: int, shortlist: int,
@@ -122,6 +115,23 @@ class InsertPager:
         obs, _, _, _, info = self.env.step(action)
         if info.get("new_context"):  # the question: not at insert time
             return EnvResult("lme", READ_DONE, 0.0, True, False, {})
+        return EnvResult("lme", obs, 0.0, False, False, info)
+
+
+class QueryPager:
+    """The reading env over no trajectory, its question asked: the query phase's env. `question` is the env's
+    question message (the catalog follows it); every execute_action after it gets the env's own answer
+    (NO_MORE_STATES), as in training -- left unanswered, the call sat in the context with no reply and the policy
+    wrote empty turns after it (docs/results.md section 3)."""
+
+    def __init__(self, question: str, max_reads: int, shortlist: int):
+        task = {**insert_task({}, 1, 1, max_reads, shortlist), "question": question, "trajectories": []}
+        self.env = ReadingEnv(task)
+        self.env.reset()
+        self.question, _, _, _, _ = self.env.step("next")  # no pages: the first step asks
+
+    def step(self, action: str) -> EnvResult:
+        obs, _, _, _, info = self.env.step(action)
         return EnvResult("lme", obs, 0.0, False, False, info)
 
 
@@ -248,15 +258,17 @@ class MemexMemory(Memory):
     def query(self, question: str, question_image: str | None = None) -> list[dict]:
         self.flush()
         catalog = catalog_text(self.store, question, self.shortlist, self.cfg.memory.catalog_rank_chars)
-        task = question_message(question, self.max_reads) + "\n" + catalog
-        first = EnvResult("lme", task, 0.0, False, False, {"goal": question, "task": {"kind": READING_TASK}})
+        pager = QueryPager(question, self.max_reads, self.shortlist)
+        first = EnvResult("lme", pager.question + "\n" + catalog, 0.0, False, False,
+                          {"goal": question, "task": {"kind": READING_TASK}})
         episode = self._episode(self.store, self.max_reads + 2, first, "query")
         engine, _ = self._engine_and_renderer()
         read: list[str] = []  # (one question at a time: the latency of query() is its own)
         while not episode.done and len(read) < self.max_reads:
             req = GenerationRequest(episode.id, episode.request_ids(), episode.max_new_tokens(), state=episode)
-            if episode.on_completion(engine.generate([req])[0]) is not None:  # an env action
-                episode.on_env_result(after_the_question())
+            action = episode.on_completion(engine.generate([req])[0])
+            if action is not None:  # an env action
+                episode.on_env_result(pager.step(action))
             last = episode.traj.steps[-1] if episode.traj.steps else None
             if last is not None and last.tool == READ and last.error is None:
                 key = last.arguments["db_index"]
