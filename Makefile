@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM ?= false
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install data demo test lint clean test-vllm
+.PHONY: install data demo test lint clean test-vllm reading-data
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,24 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $@
+
+# The reading run's data (configs/cpu-reading.yaml's header, issue 27): the held-out LME-V2 set (seed 0), reading
+# tasks from training seeds 1-8 (one distractor, the page-end line) and the reader-expert's demonstrations; then
+# `memexrl sft --config configs/cpu-reading.yaml` and `memexrl train --config configs/cpu-reading.yaml`. ~2 min.
+RUNS ?= runs
+READING_SEEDS ?= 1 2 3 4 5 6 7 8
+reading-data: $(RUNS)/reader-demos-pe/demos.jsonl
+
+$(RUNS)/reader-demos-pe/demos.jsonl: $(STAMP)
+	$(BIN)/memexrl lme synth --out $(RUNS)/lme-data --seed 0
+	mkdir -p $(RUNS)/reading-pe && rm -f $(RUNS)/reading-pe/train.txt
+	for s in $(READING_SEEDS); do \
+	  $(BIN)/memexrl lme synth --out $(RUNS)/lme-train-s$$s --seed $$s && \
+	  $(BIN)/memexrl lme tasks --data $(RUNS)/lme-train-s$$s --out $(RUNS)/reading-pe/s$$s --prefix s$$s- \
+	    --distractors 1 --page-end "(end of page)" && \
+	  sed "s|^|s$$s/|" $(RUNS)/reading-pe/s$$s/games.txt >> $(RUNS)/reading-pe/train.txt || exit 1; done
+	$(BIN)/memexrl expert --config configs/cpu-reading.yaml --reading-tasks $(RUNS)/reading-pe/train.txt \
+	  --out $(RUNS)/reader-demos-pe
 
 test-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider -m vllm tests/test_vllm_engine.py
