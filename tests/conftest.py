@@ -73,3 +73,14 @@ def tiny_eos_model(tmp_path_factory) -> str:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return str(out)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Test files that hold a `slow` test run first, each file's tests kept together and in order.
+
+    `make test` spreads the tests over pytest-xdist workers: a long test then starts early, while the
+    short ones fill the other worker, instead of starting last and running alone. Keeping a file's
+    tests together keeps its module fixtures built once per worker.
+    """
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)

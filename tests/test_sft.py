@@ -126,8 +126,8 @@ def test_tiny_sft_run_end_to_end(demos_file, tmp_path, alfworld_data):
 
 @pytest.mark.slow
 def test_an_interrupted_sft_run_resumes_to_the_uninterrupted_weights(demos_file, tmp_path, alfworld_data, monkeypatch):
-    """`memexrl sft --resume` (the CPU memory run's SFT, in parts): a run stopped during step 3 continues from
-    the step-2 resume point with its optimizer, schedule and data order, ends with the adapter of a run that was
+    """`memexrl sft --resume` (the CPU memory run's SFT, in parts): a run stopped during step 2 continues from
+    the step-1 resume point (two segments a step: accumulation crosses the resume) with its optimizer, schedule and data order, ends with the adapter of a run that was
     never stopped, and its metrics.jsonl has each step once."""
     from safetensors.torch import load_file
     from transformers import TrainerCallback
@@ -139,8 +139,8 @@ def test_an_interrupted_sft_run_resumes_to_the_uninterrupted_weights(demos_file,
     def config(run):
         return load_config(None, [
             f"env.data_dir={alfworld_data}", "model.device=cpu", f"sft.demos={path}", f"sft.output_dir={run}",
-            "sft.max_steps=3", "sft.logging_steps=1", "sft.per_device_batch_size=1", "sft.max_length=1200",
-            "sft.gradient_accumulation_steps=2", "sft.validation_fraction=0.25", "sft.wandb=false", "sft.save_steps=2",
+            "sft.max_steps=2", "sft.logging_steps=1", "sft.per_device_batch_size=1", "sft.max_length=1200",
+            "sft.gradient_accumulation_steps=2", "sft.validation_fraction=0.25", "sft.wandb=false", "sft.save_steps=1",
         ])
 
     whole = sft_train.run_sft(config(tmp_path / "whole"))
@@ -148,24 +148,24 @@ def test_an_interrupted_sft_run_resumes_to_the_uninterrupted_weights(demos_file,
     with pytest.raises(MemexError, match="no SFT checkpoint to resume"):
         sft_train.run_sft(config(run), resume=True)
 
-    class StopDuringStep3(TrainerCallback):
+    class StopDuringStep2(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 3:
-                raise KeyboardInterrupt  # the session ends after step 2's checkpoint
+            if state.global_step == 2:
+                raise KeyboardInterrupt  # the session ends after step 1's checkpoint
 
     callbacks = sft_train._callbacks
-    monkeypatch.setattr(sft_train, "_callbacks", lambda *a: [*callbacks(*a), StopDuringStep3()])
+    monkeypatch.setattr(sft_train, "_callbacks", lambda *a: [*callbacks(*a), StopDuringStep2()])
     with pytest.raises(KeyboardInterrupt):
         sft_train.run_sft(config(run))
     monkeypatch.setattr(sft_train, "_callbacks", callbacks)
-    assert sft_train.resume_point(run).name == "checkpoint-2"
+    assert sft_train.resume_point(run).name == "checkpoint-1"
     resumed = sft_train.run_sft(config(run), resume=True)
-    assert resumed.name == whole.name == "step-3"
+    assert resumed.name == whole.name == "step-2"
     a, b = load_file(whole / "adapter_model.safetensors"), load_file(resumed / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(line)]
-    assert steps == [1, 2, 3]
+    assert steps == [1, 2]
 
 
 def test_task_types_keep_only_those_demonstrations(demos_file):
