@@ -14,6 +14,8 @@ from pathlib import Path
 from common.argtypes import non_negative_int, positive_int
 from common.errors import MemexError
 from common.malloc import return_freed_memory
+from common.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
+from common.preemption import RunStopped
 from envs.data import DEFAULT_DEST
 from eval.lme.cli import add_lme_commands
 
@@ -375,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     except MemexError as exc:
         print(f"memexrl: error: {exc}", file=sys.stderr)
         return 2
+    except RunStopped as exc:  # a preemption notice: the resume point is written (common/preemption.py)
+        print(f"memexrl: {exc}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     except KeyboardInterrupt:
         print("memexrl: interrupted", file=sys.stderr)
         return 130

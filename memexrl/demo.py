@@ -31,6 +31,7 @@ from pathlib import Path
 from common.atomic import write_text_atomic
 from common.config import Config
 from common.errors import MemexError
+from common.preemption import RunStopped
 from envs.data import GAMES_FILE
 from memexrl.plot import read_metrics
 
@@ -87,7 +88,11 @@ class Demo:
             shutil.rmtree(where)
         where.mkdir(parents=True)
         t0 = time.perf_counter()
-        summary = {**body(self, where), "seconds": round(time.perf_counter() - t0, 1)}
+        try:
+            summary = {**body(self, where), "seconds": round(time.perf_counter() - t0, 1)}
+        except RunStopped as stop:  # a preemption notice in the SFT or GRPO stage (common/preemption.py)
+            raise RunStopped(f"the demo stopped on a signal in its {stage} stage (after step {stop.step}): run the "
+                             f"same command again; it starts that stage over", stop.step) from None
         write_text_atomic(where / DONE_FILE, json.dumps(summary, indent=1) + "\n")  # the stage is done only now
         log.info("demo: stage %s done in %.0f s", stage, summary["seconds"])
         return summary

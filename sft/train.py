@@ -10,7 +10,9 @@ full model in HF format, written to a temp dir and renamed), wandb/ (offline unl
 Resumable (`memexrl sft --resume`): every `sft.save_steps` the HF Trainer also writes its own
 checkpoint (weights, optimizer, scheduler, RNG; the newest one only) to RUN/trainer/checkpoint-N;
 a resumed run continues from the newest complete one (its trainer_state.json is written last) with
-the same data order and schedule, and metrics.jsonl keeps each step once.
+the same data order and schedule, and metrics.jsonl keeps each step once. A SIGTERM or SIGUSR1 (a
+preemption notice, common/preemption.py) stops the run at the end of its step with both checkpoints
+written there: `RunStopped`, exit code 75, and `--resume` continues from that step.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 from common.config import Config
 from common.errors import MemexError
+from common.preemption import stop_at_step_end, stopped_with_resume_point
 from common.seeding import seed_everything
 from modeling.load import cpu_has_native_bf16, load_policy, resolve_device
 from modeling.lora import lora_config
@@ -45,11 +48,15 @@ def save_checkpoint(model, tokenizer, run_dir: Path, step: int, extra: dict[str,
     return publish(tmp, run_dir / "checkpoints" / f"step-{step}")
 
 
-def _callbacks(run_dir: Path, save_steps: int, tokenizer):
-    """TrainerCallbacks: metrics.jsonl lines, and our atomic checkpoints every save_steps and at the end."""
+def _callbacks(run_dir: Path, save_steps: int, tokenizer, stop=None):
+    """TrainerCallbacks: metrics.jsonl lines, and our atomic checkpoints every save_steps, at the end, and at the
+    step where `stop` (a common.preemption.StopRequest) was requested: there the Trainer writes its resume point
+    too and stops (the callback's `stopped_at` says at which step)."""
     from transformers import TrainerCallback
 
     class RunDirCallback(TrainerCallback):
+        stopped_at = 0
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and state.is_world_process_zero:
                 record = {"step": state.global_step, "epoch": state.epoch, **logs}
@@ -60,7 +67,10 @@ def _callbacks(run_dir: Path, save_steps: int, tokenizer):
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             last = state.global_step >= state.max_steps
-            if state.is_world_process_zero and (last or state.global_step % save_steps == 0):
+            if stop is not None and not last and stop.requested():
+                control.should_save = control.should_training_stop = True  # the Trainer's resume point, here
+                self.stopped_at = state.global_step
+            if state.is_world_process_zero and (last or self.stopped_at or state.global_step % save_steps == 0):
                 save_checkpoint(model, tokenizer, run_dir, state.global_step, {"epoch": state.epoch})
 
     return [RunDirCallback()]
@@ -145,17 +155,20 @@ def run_sft(cfg: Config, resume: bool = False) -> Path:
         dataloader_num_workers=0,
         disable_tqdm=False,
     )
-    trainer = SFTTrainer(
-        model=model,
-        args=args,
-        train_dataset=data["train"].select_columns(list(TRAIN_COLUMNS)),
-        eval_dataset=data["validation"].select_columns(list(TRAIN_COLUMNS)) if has_val else None,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-        callbacks=_callbacks(run_dir, s.save_steps, tokenizer),
-    )
-    trainer.train(resume_from_checkpoint=str(start) if start else None)
-    if has_val:
+    with stop_at_step_end() as stop_request:
+        callbacks = _callbacks(run_dir, s.save_steps, tokenizer, stop_request)
+        trainer = SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=data["train"].select_columns(list(TRAIN_COLUMNS)),
+            eval_dataset=data["validation"].select_columns(list(TRAIN_COLUMNS)) if has_val else None,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+            callbacks=callbacks,
+        )
+        trainer.train(resume_from_checkpoint=str(start) if start else None)
+    stopped_at = callbacks[0].stopped_at
+    if has_val and not stopped_at:
         metrics = trainer.evaluate()
         with open(run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": trainer.state.global_step, **metrics}) + "\n")
@@ -163,6 +176,9 @@ def run_sft(cfg: Config, resume: bool = False) -> Path:
         import wandb
 
         wandb.finish()
+    if stopped_at:
+        resume_at = run_dir / "trainer" / f"checkpoint-{stopped_at}"
+        raise stopped_with_resume_point("the SFT run", stopped_at, str(resume_at))
     final = run_dir / "checkpoints" / f"step-{trainer.state.global_step}"
     log.info("SFT done: %d steps, checkpoint %s", trainer.state.global_step, final)
     return final

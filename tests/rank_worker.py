@@ -9,6 +9,9 @@
         Trainer as above (full fine-tuning, fake-quant, ZeRO-3: weights partitioned), then what the vLLM
         engine's full-weight sync sends (rollout/weights.py `checkpoint_state_dict` against INT4_DIR's
         layout), into OUT_DIR/rank-R.safetensors, with the number of partitioned tensors in its metadata.
+    rank_worker.py stop OUT_DIR
+        the preemption notice (common/preemption.py) on rank 0 alone: every rank asks `requested()` before and
+        after it; writes OUT_DIR/rank-R.json with both answers.
 """
 
 from __future__ import annotations
@@ -80,11 +83,30 @@ def sync(out_dir: Path, int4_dir: str, overrides: list[str]) -> None:
               metadata={"partitioned": str(empty), "fake_quant": str(fake_quant_count(module))})
 
 
+def stop(out_dir: Path) -> None:
+    import os
+    import signal
+
+    from accelerate import Accelerator
+
+    from common.preemption import stop_at_step_end
+
+    acc = Accelerator(cpu=True)
+    with stop_at_step_end() as request:
+        before = request.requested()
+        if acc.process_index == 0:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        after = request.requested()
+    (out_dir / f"rank-{acc.process_index}.json").write_text(json.dumps({"before": before, "after": after}))
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], Path(sys.argv[2])
     if mode == "lockstep":
         lockstep(out, sys.argv[3:])
     elif mode == "sync":
         sync(out, sys.argv[3], sys.argv[4:])
+    elif mode == "stop":
+        stop(out)
     else:
-        raise SystemExit(f"unknown mode {mode!r}: lockstep or sync")
+        raise SystemExit(f"unknown mode {mode!r}: lockstep, sync or stop")

@@ -6,6 +6,7 @@ import pytest
 
 from common.config import load_config
 from common.errors import MemexError
+from common.preemption import RunStopped, stopped_with_resume_point
 from eval.compare import table
 from memexrl.demo import DONE_FILE, QUICK_OVERRIDES, Demo, check_lme_sizes, check_same_config, run_demo
 
@@ -33,6 +34,20 @@ def test_an_interrupted_stage_starts_again_from_a_clean_directory(tmp_path):
     assert json.loads((tmp_path / "expert" / DONE_FILE).read_text()) == summary
     # Done: a second run skips the stage (its body is not called) and returns the saved summary.
     assert demo.run_stage("expert", finished) == summary and len(calls) == 1
+
+
+def test_a_stage_stopped_by_a_preemption_notice_says_how_the_demo_goes_on(tmp_path):
+    """The SFT or GRPO loop's RunStopped (its own message says --resume, which the demo has not) is told in the
+    demo's terms: the same command again starts the stage over; the stage is not done."""
+    demo = Demo(load_config("configs/demo.yaml", []), tmp_path)
+
+    def stopped(d, where):
+        raise stopped_with_resume_point("the SFT run", 3, str(where / "trainer" / "checkpoint-3"))
+
+    with pytest.raises(RunStopped, match="in its sft stage .after step 3.: run the same command again; it starts "
+                                         "that stage over") as info:
+        demo.run_stage("sft", stopped)
+    assert info.value.step == 3 and "--resume" not in str(info.value) and demo.done("sft") is None
 
 
 def test_a_demo_made_with_another_config_is_not_mixed_with_the_new_one(tmp_path, alfworld_data):

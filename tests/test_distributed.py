@@ -138,3 +138,10 @@ def test_trainer_runs_a_grpo_step_on_two_zero3_ranks(tiny_eos_model, tmp_path, a
     assert [r["step"] for r in records] == [1]
     assert records[0]["num_updates"] == 1
     assert (run_dir / "checkpoints" / "step-1" / "model.safetensors").is_file()
+
+
+def test_a_preemption_notice_to_one_rank_stops_every_rank(tmp_path):
+    """SIGUSR1 to rank 0 alone: after the all-reduce both ranks see the request, so all stop at the same step."""
+    launch_ranks("zero2-8gpu.yaml", 2, ["tests/rank_worker.py", "stop", str(tmp_path)])
+    answers = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert answers == [{"before": False, "after": True}] * 2

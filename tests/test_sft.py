@@ -2,6 +2,7 @@
 assistant-only masks, a deterministic split by game, and a tiny TRL run end to end."""
 
 import os
+import signal
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -13,6 +14,7 @@ import yaml
 
 from common.config import load_config
 from common.errors import MemexError
+from common.preemption import RunStopped
 from envs.data import TASK_TYPES, resolve_game
 from memory.parsing import render_tool_call
 from rollout.runner import make_renderer, open_envs, run_episodes
@@ -126,9 +128,11 @@ def test_tiny_sft_run_end_to_end(demos_file, tmp_path, alfworld_data):
 
 @pytest.mark.slow
 def test_an_interrupted_sft_run_resumes_to_the_uninterrupted_weights(demos_file, tmp_path, alfworld_data, monkeypatch):
-    """`memexrl sft --resume` (the CPU memory run's SFT, in parts): a run stopped during step 2 continues from
-    the step-1 resume point (two segments a step: accumulation crosses the resume) with its optimizer, schedule and data order, ends with the adapter of a run that was
-    never stopped, and its metrics.jsonl has each step once."""
+    """`memexrl sft --resume` (the CPU memory run's SFT, in parts): a run that gets a SIGTERM (a preemption
+    notice, or `kill -TERM` at the end of a session) during step 1 finishes that step, writes both checkpoints
+    there although save_steps is 2, and stops with RunStopped; resumed, it continues with its optimizer,
+    schedule and data order (two segments a step: accumulation crosses the resume), ends with the adapter of a
+    run that was never stopped, and its metrics.jsonl has each step once."""
     from safetensors.torch import load_file
     from transformers import TrainerCallback
 
@@ -140,7 +144,7 @@ def test_an_interrupted_sft_run_resumes_to_the_uninterrupted_weights(demos_file,
         return load_config(None, [
             f"env.data_dir={alfworld_data}", "model.device=cpu", f"sft.demos={path}", f"sft.output_dir={run}",
             "sft.max_steps=2", "sft.logging_steps=1", "sft.per_device_batch_size=1", "sft.max_length=800",
-            "sft.gradient_accumulation_steps=2", "sft.validation_fraction=0", "sft.wandb=false", "sft.save_steps=1",
+            "sft.gradient_accumulation_steps=2", "sft.validation_fraction=0", "sft.wandb=false", "sft.save_steps=2",
         ])
 
     whole = sft_train.run_sft(config(tmp_path / "whole"))
@@ -148,17 +152,18 @@ def test_an_interrupted_sft_run_resumes_to_the_uninterrupted_weights(demos_file,
     with pytest.raises(MemexError, match="no SFT checkpoint to resume"):
         sft_train.run_sft(config(run), resume=True)
 
-    class StopDuringStep2(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 2:
-                raise KeyboardInterrupt  # the session ends after step 1's checkpoint
+    class TermDuringStep1(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
 
-    callbacks = sft_train._callbacks
-    monkeypatch.setattr(sft_train, "_callbacks", lambda *a: [*callbacks(*a), StopDuringStep2()])
-    with pytest.raises(KeyboardInterrupt):
+    callbacks, handler = sft_train._callbacks, signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(sft_train, "_callbacks", lambda *a: [*callbacks(*a), TermDuringStep1()])
+    with pytest.raises(RunStopped, match="after step 1; its resume point is .*checkpoint-1: .* --resume") as stopped:
         sft_train.run_sft(config(run))
+    assert stopped.value.step == 1 and signal.getsignal(signal.SIGTERM) == handler  # restored after the run
     monkeypatch.setattr(sft_train, "_callbacks", callbacks)
-    assert sft_train.resume_point(run).name == "checkpoint-1"
+    assert sft_train.resume_point(run).name == "checkpoint-1" and (run / "checkpoints" / "step-1").is_dir()
     resumed = sft_train.run_sft(config(run), resume=True)
     assert resumed.name == whole.name == "step-2"
     a, b = load_file(whole / "adapter_model.safetensors"), load_file(resumed / "adapter_model.safetensors")

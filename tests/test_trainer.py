@@ -9,6 +9,8 @@ context penalty differs between the G rollouts of a game, which is all GRPO need
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -91,14 +93,29 @@ def test_run_directory_metrics_and_checkpoint(tiny_eos_model, tmp_path, alfworld
 
 
 def test_resume_continues_the_same_run(tiny_eos_model, tmp_path, alfworld_data, monkeypatch, capsys):
+    """A run that gets a SIGTERM (a preemption notice) during step 2 saves there although save_steps is 4 and
+    exits 75; `--resume` continues it to the weights, metrics and rewards of a run that was never stopped."""
+    from training.trainer import Trainer
+
     monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_data))
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert run(overrides(tiny_eos_model, straight, **{"train.save_steps": 2})) == 0
-    assert run(overrides(tiny_eos_model, resumed, **{"train.save_steps": 2, "train.steps": 2})) == 0
+    play_step = Trainer.play_step
+
+    def term_in_step_2(self, step, *args):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return play_step(self, step, *args)
+
+    monkeypatch.setattr(Trainer, "play_step", term_in_step_2)
+    capsys.readouterr()
+    assert run(overrides(tiny_eos_model, resumed, **{"train.save_steps": 4})) == 75
+    assert "stopped on a signal after step 2" in capsys.readouterr().err
+    assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step-2"]
+    monkeypatch.setattr(Trainer, "play_step", play_step)
     with open(resumed / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "succ')  # a crash mid-write of step 3's line
-    capsys.readouterr()
-    assert run(["--resume", *overrides(tiny_eos_model, resumed, **{"train.save_steps": 2})]) == 0
+    assert run(["--resume", *overrides(tiny_eos_model, resumed, **{"train.save_steps": 4})]) == 0
     assert f"resuming {resumed} from {resumed / 'checkpoints' / 'step-2'} (step 2)" in capsys.readouterr().out
     a, b = adapter(straight, 4), adapter(resumed, 4)
     assert a.keys() == b.keys()

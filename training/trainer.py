@@ -12,7 +12,8 @@ One flat loop in phases, each step:
             segments (training/grpo.py is the objective)
   sync      the engine receives the new weights (a no-op for the in-process engine)
   log       metrics.jsonl (design.md keys), wandb scalars + a trajectory table
-  save      atomic checkpoints every save_steps; `--resume` continues the same run
+  save      atomic checkpoints every save_steps; `--resume` continues the same run; a SIGTERM or SIGUSR1
+            (a preemption notice, common/preemption.py) saves at the end of the step and stops (exit 75)
 Distributed (accelerate / DeepSpeed launch): each process rolls out whole groups of its share
 of the tasks; token weights are scaled so the gradient is that of the global batch.
 
@@ -43,6 +44,7 @@ import torch
 
 from common.config import Config
 from common.errors import MemexError
+from common.preemption import stop_at_step_end, stopped_with_resume_point
 from common.seeding import seed_everything
 from rewards import score_trajectories
 from rollout.hf_engine import TransformersEngine
@@ -352,6 +354,7 @@ class Trainer:
         with contextlib.ExitStack() as resources:  # a managed vLLM server and the env pool close with the loop
             engine = make_engine(self.policy, cfg, acc, resources)
             envs = resources.enter_context(open_envs(cfg))
+            stop = resources.enter_context(stop_at_step_end())
             for step in range(self.start_step + 1, t.steps + 1):
                 metrics: dict = {"step": step}
                 t0 = time.perf_counter()
@@ -370,8 +373,13 @@ class Trainer:
                 engine.sync_weights(acc.unwrap_model(self.model))  # an external engine (vLLM) gets the weights here
                 metrics["train_s"] = time.perf_counter() - t1
                 self.logger.log_step(metrics, trajs, advantages)
-                if step % t.save_steps == 0 or step == t.steps:
+                stopping = step < t.steps and stop.requested()  # a preemption notice (common/preemption.py)
+                if step % t.save_steps == 0 or step == t.steps or stopping:
                     last = self.save(step)
+                if stopping:
+                    self.logger.finish()
+                    saved = self.run_dir / "checkpoints" / f"step-{step}"
+                    raise stopped_with_resume_point("the GRPO run", step, str(saved))
         self.logger.finish()
         return last or self.run_dir
 
