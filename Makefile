@@ -15,7 +15,7 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 # pytest-xdist workers of `make test` (each keeps one torch thread): 2 fills a 2-core CI machine and takes
-# `make test` from ~55 to ~33 min on the AVX2 kind; TEST_WORKERS=0 runs the tests in one process.
+# `make test` from ~55 to ~25 min on the AVX2 kind (docs/benchmarks.md); TEST_WORKERS=0 runs the tests in one process.
 TEST_WORKERS ?= 2
 
 VLLM_VENV := .venv-vllm

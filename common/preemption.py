@@ -2,7 +2,8 @@
 
 A preemptible cluster gives notice before it ends a job: SLURM sends SIGTERM (or the signal chosen with
 `sbatch --signal=...`), Kubernetes sends SIGTERM, and a CPU run split into sessions can do the same with
-`kill -TERM PID`. The signal must reach the training processes (docs/reliability.md says what else it ends). Killed there, a run loses everything since its last `save_steps` checkpoint.
+`kill -TERM PID`. The signal must reach the training processes (docs/reliability.md says what else it
+ends). Killed there, a run loses everything since its last `save_steps` checkpoint.
 Inside `stop_at_step_end()`, the first SIGTERM or SIGUSR1 only sets a flag: the loop (`memexrl sft`, `memexrl
 train`) finishes the step it is in, writes a checkpoint at that step and raises `RunStopped`; the CLI exits with
 75 (EX_TEMPFAIL: try again) and `--resume` continues from that step. A second signal stops at once, as Ctrl-C
