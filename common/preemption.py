@@ -18,6 +18,8 @@ import logging
 import signal
 import threading
 
+from common.collectives import max_over_ranks
+
 log = logging.getLogger(__name__)
 
 EXIT_CODE = 75  # sysexits.h EX_TEMPFAIL: stopped with a resume point, run again with --resume
@@ -51,7 +53,7 @@ class StopRequest:
                     self.signal_name)
 
     def requested(self) -> bool:
-        return _on_any_rank(bool(self.signal_name))
+        return bool(max_over_ranks(int(bool(self.signal_name))))
 
 
 @contextlib.contextmanager
@@ -69,15 +71,3 @@ def stop_at_step_end():
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
-
-def _on_any_rank(flag: bool) -> bool:
-    """`flag` OR-ed over the ranks of the default process group (itself when there is none)."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    value = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())

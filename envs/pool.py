@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 from collections import deque
@@ -92,7 +93,12 @@ def _serve(op: str, episode_id: str, arg: Any, envs: dict[str, Any], env_kwargs:
 
 def _worker_main(conn: Connection, env_kwargs: dict) -> None:
     """A worker's loop: ("batch", [(op, episode_id, arg), ...]) -> one EnvResult per request, in order;
-    ("close", episode_id) and ("stop",) answer nothing."""
+    ("close", episode_id) and ("stop",) answer nothing.
+
+    SIGUSR1 is ignored: it is the preemption notice meant for the trainer (common/preemption.py), and a
+    scheduler that signals every process of a job (SLURM's --signal without B:) would otherwise end the
+    workers mid-episode, before the trainer's last step ends."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     envs: dict[str, Any] = {}
     while True:
         try:

@@ -40,6 +40,7 @@
 #
 # Not verified on a GPU here (written on a CPU machine without vLLM GPU support): the numbers above are
 # computed, not measured; launch/gpu-check.sh measures them on a slice of the architecture.
+trap '' USR1   # a preemption notice for the ranks alone (launch/README.md): the launcher inherits the ignore
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

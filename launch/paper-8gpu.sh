@@ -31,6 +31,7 @@
 #                   80 GB: zero3-8gpu.yaml (the base sharded: 7.2 GiB) + vLLM 0.45 x 80 = ~45 GiB.
 # Not verified on GPUs here (written on a CPU machine): the numbers are computed, not measured; the 2-rank CPU
 # tests (tests/test_distributed.py) run every accelerate config named here.
+trap '' USR1   # a preemption notice for the ranks alone (launch/README.md): the launcher inherits the ignore
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

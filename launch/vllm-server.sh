@@ -28,6 +28,7 @@
 # - --logprobs-mode raw_logprobs (the trainer compares raw log-probs, before temperature) exists in vLLM
 #   >= 0.10.2 and is its default in recent versions; set LOGPROBS_MODE= (empty) for older versions.
 # Not verified here: written on a CPU machine; flags checked against vLLM 0.32's engine arguments.
+trap '' USR1   # the trainer's preemption notice (common/preemption.py), which SLURM sends to every process of a job
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -69,12 +69,15 @@ def serve_command(python: str, model: str, port: int, *, dtype: str, max_model_l
     return cmd + list(extra)
 
 
-def _die_with_parent() -> None:
+def _server_preexec() -> None:
     """In the server's process before exec (Linux): SIGTERM when the process that started it dies, even by SIGKILL
-    or a scheduler's preemption, which skip the `with` block's exit. Elsewhere: nothing (the block still stops it)."""
+    or a scheduler's preemption, which skip the `with` block's exit; and SIGUSR1 ignored (an ignored signal stays
+    ignored across exec), since it is the trainer's preemption notice (common/preemption.py): a scheduler that
+    signals every process of the job would end the server before the trainer's last step has its rollouts."""
     import ctypes
     import signal
 
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -132,7 +135,7 @@ class ManagedServer:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "w") as out:
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                         preexec_fn=_server_preexec if sys.platform == "linux" else None)
         deadline = time.monotonic() + self.startup_s
         while True:
             if self.proc.poll() is not None:

@@ -340,6 +340,10 @@ def test_pool_survives_killed_worker(alfworld_data):
         hosted = sorted(eid for eid in (f"e{i}" for i in range(4)) if pool.worker_pid(eid) == victim_pid)
         survivors = sorted(set(f"e{i}" for i in range(4)) - set(hosted))
         assert hosted and survivors
+        # SIGUSR1, the trainer's preemption notice, which SLURM may send to every process of the job: ignored.
+        os.kill(victim_pid, signal.SIGUSR1)
+        assert not any(r.crashed for r in pool.step_many([(eid, "look") for eid in hosted]))
+        assert pool.worker_pid(hosted[0]) == victim_pid
         os.kill(victim_pid, signal.SIGKILL)
 
         results = {r.episode_id: r for r in pool.step_many([(f"e{i}", "inventory") for i in range(4)])}

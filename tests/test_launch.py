@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -148,7 +149,8 @@ def test_paper_recipe_plots_the_run_it_launched(mode, tmp_path):
     fake = bin_dir / "accelerate"
     fake.write_text("#!/usr/bin/env bash\nout=runs/paper-8gpu\nfor a in \"$@\"; do [[ $a == train.output_dir=* ]] && "
                     "out=${a#train.output_dir=}; done\nmkdir -p \"$out\"\n"
-                    "echo '{\"step\": 1, \"success_rate\": 0.5, \"reward_mean\": 0.1}' > \"$out/metrics.jsonl\"\n")
+                    "echo '{\"step\": 1, \"success_rate\": 0.5, \"reward_mean\": 0.1}' > \"$out/metrics.jsonl\"\n"
+                    "grep SigIgn /proc/self/status > \"$out/ignored\"\n")
     fake.chmod(0o755)
     mine = tmp_path / "mine"
     env = {**os.environ, "MODE": mode, "GPU_GIB": "141", "PYTHON": sys.executable, "ALFWORLD_DATA": str(tmp_path),
@@ -157,6 +159,8 @@ def test_paper_recipe_plots_the_run_it_launched(mode, tmp_path):
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert (mine / "plots" / "success.png").is_file()  # the user's train.output_dir wins
+    ignored = int((mine / "ignored").read_text().split()[1], 16)  # the launcher outlives a SIGUSR1 meant for the ranks
+    assert ignored & (1 << (signal.SIGUSR1 - 1))
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -181,3 +185,29 @@ def test_h200_script_takes_its_directories_from_the_config(tmp_path):
     done = subprocess.run(["bash", str(REPO / "launch" / "h200-lora.sh"), "dirs", "train.init_checkpoint=runs/x"],
                           capture_output=True, text=True, timeout=120, env={**env, "CONFIG": "configs/h200-lora.yaml"})
     assert done.returncode == 1 and "is not sft.output_dir" in done.stderr and "EXPERT_DIR" not in done.stdout
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_slurm_nodes_pass_the_preemption_notice_to_the_ranks_alone(mode, tmp_path):
+    """SLURM's notice (`--signal=USR1@...`) reaches every process of the job's steps. Each node's step of
+    launch/slurm-multinode.sbatch starts `accelerate launch` (a stand-in here, which reports what it was given)
+    with SIGUSR1 ignored, inherited through exec, so that the launcher outlives the notice; the ranks install
+    their own handler (common/preemption.py) over the inherited ignore."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "accelerate"
+    fake.write_text("#!/usr/bin/env bash\ngrep SigIgn /proc/self/status\necho \"$@\"\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "MODE": mode, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(REPO),
+           "SHARED_TMP": str(tmp_path / "tmp"), "SLURM_NNODES": "2", "SLURM_NODEID": "1", "MAIN_IP": "10.0.0.1",
+           "SERVER_URL": "http://node2:8000"}
+    done = subprocess.run(["bash", str(REPO / "launch" / "slurm-multinode.sbatch"), "--node", "--resume",
+                           "train.steps=3"], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    ignored, args = done.stdout.splitlines()
+    assert int(ignored.split()[1], 16) & (1 << (signal.SIGUSR1 - 1)), ignored
+    assert args.endswith("train.steps=3") and "--resume" in args
+    if mode == "server":
+        assert "configs/h200-lora.yaml" in args and "rollout.vllm_server_url=http://node2:8000" in args
+    else:
+        assert "configs/paper-8gpu.yaml" in args and "--machine_rank 1" in args and "--main_process_ip 10.0.0.1" in args

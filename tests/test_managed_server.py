@@ -79,7 +79,10 @@ def test_a_killed_trainer_leaves_no_server(tmp_path):
                                str(tmp_path / "serve.log"), str(Path(__file__).resolve().parents[1])],
                               stdout=subprocess.PIPE, text=True)
     server_pid = int(parent.stdout.readline())
-    os.kill(server_pid, 0)  # serving
+    os.kill(server_pid, signal.SIGUSR1)  # the trainer's preemption notice, sent to every process of a job: ignored
+    time.sleep(0.5)
+    state = Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    assert state != "Z", "SIGUSR1 ended the server"  # a dead child stays a zombie of its sleeping parent
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + 20

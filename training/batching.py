@@ -16,6 +16,7 @@ import torch
 import torch.utils.checkpoint
 from tqdm.auto import tqdm
 
+from common.collectives import max_over_ranks
 from common.trajectory import Trajectory
 from modeling.zero3 import is_partitioned
 from training import grpo
@@ -216,7 +217,7 @@ def max_over_processes(acc, n: int) -> int:
     """The largest `n` over the processes (a collective: every process calls it); `n` itself without `acc`."""
     if acc is None or acc.num_processes == 1:
         return n
-    return int(acc.reduce(torch.tensor([n], device=acc.device), reduction="max").item())
+    return max_over_ranks(n)
 
 
 def padding_sample(pad_id: int) -> SegmentSample:
