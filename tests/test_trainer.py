@@ -92,31 +92,17 @@ def test_run_directory_metrics_and_checkpoint(tiny_eos_model, tmp_path, alfworld
     assert not torch.allclose(model(ids).logits, start(ids).logits)
 
 
-def test_resume_continues_the_same_run(tiny_eos_model, tmp_path, alfworld_data, monkeypatch, capsys):
-    """A run that gets a SIGTERM (a preemption notice) during step 2 saves there although save_steps is 4 and
-    exits 75; `--resume` continues it to the weights, metrics and rewards of a run that was never stopped."""
-    from training.trainer import Trainer
+@pytest.fixture(scope="module")
+def straight_run(tiny_eos_model, tmp_path_factory, alfworld_data):
+    """4 GRPO steps never stopped (checkpoints at 2 and 4): what a stopped and resumed run must reproduce."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ALFWORLD_DATA", str(alfworld_data))
+        assert run(overrides(tiny_eos_model, run_dir, **{"train.save_steps": 2})) == 0
+    return run_dir
 
-    monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_data))
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert run(overrides(tiny_eos_model, straight, **{"train.save_steps": 2})) == 0
-    play_step = Trainer.play_step
 
-    def term_in_step_2(self, step, *args):
-        if step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return play_step(self, step, *args)
-
-    monkeypatch.setattr(Trainer, "play_step", term_in_step_2)
-    capsys.readouterr()
-    assert run(overrides(tiny_eos_model, resumed, **{"train.save_steps": 4})) == 75
-    assert "stopped on a signal after step 2" in capsys.readouterr().err
-    assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step-2"]
-    monkeypatch.setattr(Trainer, "play_step", play_step)
-    with open(resumed / "metrics.jsonl", "a") as f:
-        f.write('{"step": 3, "succ')  # a crash mid-write of step 3's line
-    assert run(["--resume", *overrides(tiny_eos_model, resumed, **{"train.save_steps": 4})]) == 0
-    assert f"resuming {resumed} from {resumed / 'checkpoints' / 'step-2'} (step 2)" in capsys.readouterr().out
+def assert_same_run(resumed, straight) -> None:
     a, b = adapter(straight, 4), adapter(resumed, 4)
     assert a.keys() == b.keys()
     for key in a:
@@ -126,6 +112,68 @@ def test_resume_continues_the_same_run(tiny_eos_model, tmp_path, alfworld_data, 
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
     ref = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward_mean"] for r in lines] == pytest.approx([r["reward_mean"] for r in ref])
+
+
+def test_resume_continues_the_same_run(tiny_eos_model, straight_run, tmp_path, alfworld_data, monkeypatch, capsys):
+    """A run that gets a SIGTERM (a preemption notice) during step 2's update saves there although save_steps is
+    4 and exits 75; `--resume` continues it to the weights, metrics and rewards of a run that was never stopped."""
+    from training.trainer import Trainer
+
+    monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_data))
+    resumed = tmp_path / "resumed"
+    update = Trainer.update
+
+    def term_in_step_2(self, samples, metrics):
+        if metrics["step"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return update(self, samples, metrics)
+
+    monkeypatch.setattr(Trainer, "update", term_in_step_2)
+    capsys.readouterr()
+    assert run(overrides(tiny_eos_model, resumed, **{"train.save_steps": 4})) == 75
+    assert "stopped on a signal after step 2" in capsys.readouterr().err
+    assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step-2"]
+    monkeypatch.setattr(Trainer, "update", update)
+    with open(resumed / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "succ')  # a crash mid-write of step 3's line
+    assert run(["--resume", *overrides(tiny_eos_model, resumed, **{"train.save_steps": 4})]) == 0
+    assert f"resuming {resumed} from {resumed / 'checkpoints' / 'step-2'} (step 2)" in capsys.readouterr().out
+    assert_same_run(resumed, straight_run)
+
+
+def test_a_stop_during_the_rollouts_keeps_them_for_the_resume(tiny_eos_model, straight_run, tmp_path, alfworld_data,
+                                                              monkeypatch, capsys):
+    """A SIGUSR1 during step 2's rollouts stops the run when they end, before the update: the rollouts are kept
+    (training/pending.py) and step 1 is checkpointed although save_steps is 4. `--resume` trains step 2 on the
+    kept rollouts without playing them again, to the run that was never stopped; its checkpoint drops them."""
+    from training.trainer import Trainer
+
+    monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_data))
+    resumed = tmp_path / "resumed"
+    play_step, played = Trainer.play_step, []
+
+    def usr1_in_step_2(self, step, *args):
+        played.append(step)
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return play_step(self, step, *args)
+
+    monkeypatch.setattr(Trainer, "play_step", usr1_in_step_2)
+    capsys.readouterr()
+    assert run(overrides(tiny_eos_model, resumed, **{"train.save_steps": 4})) == 75
+    assert "after the rollouts of step 2" in capsys.readouterr().err
+    assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step-1"]
+    kept = resumed / "pending" / "step-2" / "rank-0.json"
+    assert len(json.loads(kept.read_text())["trajectories"]) == 4
+    assert [json.loads(x)["step"] for x in (resumed / "metrics.jsonl").read_text().splitlines()] == [1]
+
+    played.clear()
+    assert run(["--resume", *overrides(tiny_eos_model, resumed, **{"train.save_steps": 4})]) == 0
+    out = capsys.readouterr().out
+    assert f"from {resumed / 'checkpoints' / 'step-1'} (step 1)" in out and "training on the rollouts kept" in out
+    assert played == [3, 4]  # step 2 trained on the kept rollouts
+    assert_same_run(resumed, straight_run)
+    assert not (resumed / "pending" / "step-2").exists()
 
 
 def test_full_finetuning_keeps_a_frozen_reference(tiny_eos_model, tmp_path, alfworld_data, monkeypatch):

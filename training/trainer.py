@@ -13,7 +13,8 @@ One flat loop in phases, each step:
   sync      the engine receives the new weights (a no-op for the in-process engine)
   log       metrics.jsonl (design.md keys), wandb scalars + a trajectory table
   save      atomic checkpoints every save_steps; `--resume` continues the same run; a SIGTERM or SIGUSR1
-            (a preemption notice, common/preemption.py) saves at the end of the step and stops (exit 75)
+            (a preemption notice, common/preemption.py) saves at the end of the step and stops (exit 75),
+            or, when it came during the rollouts, keeps them and stops before the update (training/pending.py)
 Distributed (accelerate / DeepSpeed launch): each process rolls out whole groups of its share
 of the tasks; token weights are scaled so the gradient is that of the global batch.
 
@@ -44,7 +45,7 @@ import torch
 
 from common.config import Config
 from common.errors import MemexError
-from common.preemption import stop_at_step_end, stopped_with_resume_point
+from common.preemption import RunStopped, stop_at_step_end, stopped_with_resume_point
 from common.seeding import seed_everything
 from rewards import score_trajectories
 from rollout.hf_engine import TransformersEngine
@@ -58,9 +59,11 @@ from training.batching import (
     untied_groups,
 )
 from training.log import RunLogger, rollout_metrics, segment_metrics
+from training.pending import PlayedStep, discard_played_steps, keep_played_step, load_played_step, step_dir
 from training.policy import Policy, load_policy_for_grpo
 from training.state import (
     DEEPSPEED_DIR,
+    STATE_FILE,
     clear_run,
     find_checkpoint,
     load_checkpoint,
@@ -236,7 +239,7 @@ class Trainer:
         self.model, self.optimizer = self.accelerator.prepare(self.policy.model, self.optimizer)
         if self.zero_stage == 3:
             self.policy.shard_reference(self.accelerator)
-        self.start_step = 0
+        self.start_step, self.resumed = 0, checkpoint is not None
         if checkpoint is not None:
             state = load_checkpoint(checkpoint, self._resume_deepspeed(checkpoint), self.scheduler)
             self.sampler.load_state_dict(state["sampler"])
@@ -357,10 +360,19 @@ class Trainer:
             stop = resources.enter_context(stop_at_step_end())
             for step in range(self.start_step + 1, t.steps + 1):
                 metrics: dict = {"step": step}
-                t0 = time.perf_counter()
-                with self.generation_weights(engine):
-                    trajs, groups = self.play_step(step, engine, envs, cfg, metrics)
-                metrics["rollout_s"] = time.perf_counter() - t0
+                kept = self.kept_rollouts(step)
+                if kept is not None:
+                    trajs, groups = kept.trajectories, kept.groups
+                    metrics.update(kept.metrics)
+                else:
+                    sampler_before = self.sampler.state_dict()
+                    t0 = time.perf_counter()
+                    with self.generation_weights(engine):
+                        trajs, groups = self.play_step(step, engine, envs, cfg, metrics)
+                    metrics["rollout_s"] = time.perf_counter() - t0
+                    if stop.requested():  # a preemption notice during the rollouts: keep them, skip the update
+                        self.stop_after_rollouts(step, PlayedStep(trajs, groups, metrics, self.sampler.state_dict()),
+                                                 sampler_before)
                 t1 = time.perf_counter()
                 engine.sleep()  # a colocated vLLM hands its GPU memory to the update
                 if metrics["num_crashed"] == metrics["groups_drawn"] * t.group_size:
@@ -382,6 +394,33 @@ class Trainer:
                     raise stopped_with_resume_point("the GRPO run", step, str(saved))
         self.logger.finish()
         return last or self.run_dir
+
+    def kept_rollouts(self, step: int) -> PlayedStep | None:
+        """The rollouts of `step` kept when the run stopped before its update (first step of a resumed run only)."""
+        acc = self.accelerator
+        if not self.resumed or step != self.start_step + 1:
+            return None
+        kept = load_played_step(self.run_dir, step, acc.process_index, acc.num_processes)
+        if kept is not None:
+            self.sampler.load_state_dict(kept.sampler_state)
+            acc.print(f"step {step}: training on the rollouts kept in {step_dir(self.run_dir, step)}")
+        return kept
+
+    def stop_after_rollouts(self, step: int, played: PlayedStep, sampler_before: dict) -> None:
+        """Keep the step's rollouts, checkpoint the weights that played them (step - 1) and stop (RunStopped)."""
+        acc = self.accelerator
+        where = step_dir(self.run_dir, step)
+        try:
+            keep_played_step(self.run_dir, step, acc.process_index, acc.num_processes, played)
+        except (OSError, TypeError, ValueError) as err:  # the resumed run plays the step again
+            log.warning("could not keep the rollouts of step %d (%s); --resume plays it again", step, err)
+        self.sampler.load_state_dict(sampler_before)  # the checkpoint is taken before the step's draw
+        previous = self.run_dir / "checkpoints" / f"step-{step - 1}"
+        if not (previous / STATE_FILE).is_file():
+            self.save(step - 1)
+        self.logger.finish()
+        raise RunStopped(f"the GRPO run stopped on a signal after the rollouts of step {step} (kept in {where}); its "
+                         f"resume point is {previous}: run the same command with --resume to train on them", step - 1)
 
     def play_step(self, step: int, engine, envs, cfg: Config, metrics: dict) -> tuple[list, list[int]]:
         """The step's scored trajectories and their group ids: tasks_per_step groups of G rollouts.
@@ -426,6 +465,7 @@ class Trainer:
         if not acc.is_main_process:
             return None
         path = save_checkpoint(self.run_dir, step, self.policy.save, self.optimizer, self.scheduler, state)
+        discard_played_steps(self.run_dir, step)
         log.info("checkpoint %s", path)
         return path
 
@@ -442,6 +482,7 @@ class Trainer:
         if acc.is_main_process:
             path = save_checkpoint(self.run_dir, step, lambda d: self.policy.save(d, state_dict=weights), None,
                                    self.scheduler, state, staged=True)
+            discard_played_steps(self.run_dir, step)
             log.info("checkpoint %s", path)
         acc.wait_for_everyone()
         return path
