@@ -216,6 +216,7 @@ def test_a_new_run_never_mixes_with_an_old_one(tmp_path):
     save_checkpoint(run, 4, lambda d: None, opt, sched, {})
     (run / "metrics.jsonl").write_text('{"step": 4}\n')
     (run / "config.yaml").write_text("kept: true\n")
+    (run / "pending" / "step-5").mkdir(parents=True)  # rollouts kept by a stop before step 5's update
     assert previous_run(run) == ["step-4", "metrics.jsonl"]
     with pytest.raises(MemexError, match="--resume.*--overwrite"):
         refuse_to_mix(run, overwrite=False)

@@ -245,7 +245,7 @@ def publish(tmp: Path, final: Path) -> Path:
     return final
 
 
-RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "rollouts", "plots", "wandb_id")  # what --overwrite removes
+RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "rollouts", "pending", "plots", "wandb_id")  # what --overwrite removes
 
 
 def previous_run(run_dir: Path) -> list[str]:

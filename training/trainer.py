@@ -416,8 +416,8 @@ class Trainer:
             log.warning("could not keep the rollouts of step %d (%s); --resume plays it again", step, err)
         self.sampler.load_state_dict(sampler_before)  # the checkpoint is taken before the step's draw
         previous = self.run_dir / "checkpoints" / f"step-{step - 1}"
-        if not (previous / STATE_FILE).is_file():
-            self.save(step - 1)
+        if max_over_processes(acc, int(acc.is_main_process and not (previous / STATE_FILE).is_file())):
+            self.save(step - 1)  # (the main process's view decides: the save is a collective)
         self.logger.finish()
         raise RunStopped(f"the GRPO run stopped on a signal after the rollouts of step {step} (kept in {where}); its "
                          f"resume point is {previous}: run the same command with --resume to train on them", step - 1)
