@@ -360,19 +360,7 @@ class Trainer:
             stop = resources.enter_context(stop_at_step_end())
             for step in range(self.start_step + 1, t.steps + 1):
                 metrics: dict = {"step": step}
-                kept = self.kept_rollouts(step)
-                if kept is not None:
-                    trajs, groups = kept.trajectories, kept.groups
-                    metrics.update(kept.metrics)
-                else:
-                    sampler_before = self.sampler.state_dict()
-                    t0 = time.perf_counter()
-                    with self.generation_weights(engine):
-                        trajs, groups = self.play_step(step, engine, envs, cfg, metrics)
-                    metrics["rollout_s"] = time.perf_counter() - t0
-                    if stop.requested():  # a preemption notice during the rollouts: keep them, skip the update
-                        self.stop_after_rollouts(step, PlayedStep(trajs, groups, metrics, self.sampler.state_dict()),
-                                                 sampler_before)
+                trajs, groups = self.rollouts(step, engine, envs, cfg, metrics, stop)
                 t1 = time.perf_counter()
                 engine.sleep()  # a colocated vLLM hands its GPU memory to the update
                 if metrics["num_crashed"] == metrics["groups_drawn"] * t.group_size:
@@ -395,16 +383,25 @@ class Trainer:
         self.logger.finish()
         return last or self.run_dir
 
-    def kept_rollouts(self, step: int) -> PlayedStep | None:
-        """The rollouts of `step` kept when the run stopped before its update (first step of a resumed run only)."""
+    def rollouts(self, step: int, engine, envs, cfg: Config, metrics: dict, stop) -> tuple[list, list[int]]:
+        """The step's scored rollouts and group ids: kept ones when a stop came before this step's update (the first
+        step of a resumed run, training/pending.py), else played now; a stop notice during them ends the run."""
         acc = self.accelerator
-        if not self.resumed or step != self.start_step + 1:
-            return None
-        kept = load_played_step(self.run_dir, step, acc.process_index, acc.num_processes)
-        if kept is not None:
-            self.sampler.load_state_dict(kept.sampler_state)
-            acc.print(f"step {step}: training on the rollouts kept in {step_dir(self.run_dir, step)}")
-        return kept
+        if self.resumed and step == self.start_step + 1:
+            kept = load_played_step(self.run_dir, step, acc.process_index, acc.num_processes)
+            if kept is not None:
+                self.sampler.load_state_dict(kept.sampler_state)
+                metrics.update(kept.metrics)
+                acc.print(f"step {step}: training on the rollouts kept in {step_dir(self.run_dir, step)}")
+                return kept.trajectories, kept.groups
+        sampler_before = self.sampler.state_dict()
+        t0 = time.perf_counter()
+        with self.generation_weights(engine):
+            trajs, groups = self.play_step(step, engine, envs, cfg, metrics)
+        metrics["rollout_s"] = time.perf_counter() - t0
+        if stop.requested():  # a preemption notice during the rollouts: keep them, skip the update
+            self.stop_after_rollouts(step, PlayedStep(trajs, groups, metrics, self.sampler.state_dict()), sampler_before)
+        return trajs, groups
 
     def stop_after_rollouts(self, step: int, played: PlayedStep, sampler_before: dict) -> None:
         """Keep the step's rollouts, checkpoint the weights that played them (step - 1) and stop (RunStopped)."""
