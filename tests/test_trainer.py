@@ -143,8 +143,8 @@ def test_resume_continues_the_same_run(tiny_eos_model, straight_run, tmp_path, a
 
 def test_a_stop_during_the_rollouts_keeps_them_for_the_resume(tiny_eos_model, straight_run, tmp_path, alfworld_data,
                                                               monkeypatch, capsys):
-    """A SIGUSR1 during step 2's rollouts stops the run when they end, before the update: the rollouts are kept
-    (training/pending.py) and step 1 is checkpointed although save_steps is 4. `--resume` trains step 2 on the
+    """A SIGUSR1 during step 1's rollouts stops the run when they end, before the update: the rollouts are kept
+    (training/pending.py) with a checkpoint of the starting weights (step 0). `--resume` trains step 1 on the
     kept rollouts without playing them again, to the run that was never stopped; its checkpoint drops them."""
     from training.trainer import Trainer
 
@@ -152,28 +152,28 @@ def test_a_stop_during_the_rollouts_keeps_them_for_the_resume(tiny_eos_model, st
     resumed = tmp_path / "resumed"
     play_step, played = Trainer.play_step, []
 
-    def usr1_in_step_2(self, step, *args):
+    def usr1_in_step_1(self, step, *args):
         played.append(step)
-        if step == 2:
+        if step == 1:
             os.kill(os.getpid(), signal.SIGUSR1)
         return play_step(self, step, *args)
 
-    monkeypatch.setattr(Trainer, "play_step", usr1_in_step_2)
+    monkeypatch.setattr(Trainer, "play_step", usr1_in_step_1)
     capsys.readouterr()
     assert run(overrides(tiny_eos_model, resumed, **{"train.save_steps": 4})) == 75
-    assert "after the rollouts of step 2" in capsys.readouterr().err
-    assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step-1"]
-    kept = resumed / "pending" / "step-2" / "rank-0.json"
+    assert "after the rollouts of step 1" in capsys.readouterr().err
+    assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step-0"]
+    kept = resumed / "pending" / "step-1" / "rank-0.json"
     assert len(json.loads(kept.read_text())["trajectories"]) == 4
-    assert [json.loads(x)["step"] for x in (resumed / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert not (resumed / "metrics.jsonl").is_file() or not (resumed / "metrics.jsonl").read_text().strip()
 
     played.clear()
     assert run(["--resume", *overrides(tiny_eos_model, resumed, **{"train.save_steps": 4})]) == 0
     out = capsys.readouterr().out
-    assert f"from {resumed / 'checkpoints' / 'step-1'} (step 1)" in out and "training on the rollouts kept" in out
-    assert played == [3, 4]  # step 2 trained on the kept rollouts
+    assert f"from {resumed / 'checkpoints' / 'step-0'} (step 0)" in out and "training on the rollouts kept" in out
+    assert played == [2, 3, 4]  # step 1 trained on the kept rollouts
     assert_same_run(resumed, straight_run)
-    assert not (resumed / "pending" / "step-2").exists()
+    assert not (resumed / "pending" / "step-1").exists()
 
 
 def test_full_finetuning_keeps_a_frozen_reference(tiny_eos_model, tmp_path, alfworld_data, monkeypatch):
