@@ -34,7 +34,7 @@ FORMAT = 1
 
 @dataclass
 class PlayedStep:
-    """What the rollout phase of a step hands to its update (training/trainer.py `play_step`)."""
+    """What the rollout phase of a step hands to its update (training/trainer.py `Trainer.rollouts`)."""
 
     trajectories: list[Trajectory]
     groups: list[int]
@@ -71,9 +71,10 @@ def keep_played_step(run_dir: Path, step: int, rank: int, world: int, played: Pl
 
 def _read(run_dir: Path, step: int, rank: int, world: int) -> tuple[PlayedStep | None, str]:
     """This process's kept rollouts of `step`, or None and why not ("" when there are none)."""
-    path = step_dir(run_dir, step) / f"rank-{rank}.json"
-    if not step_dir(run_dir, step).is_dir():
+    directory = step_dir(run_dir, step)
+    if not directory.is_dir():
         return None, ""
+    path = directory / f"rank-{rank}.json"
     try:
         record = json.loads(path.read_text())
         if record.get("format") != FORMAT or record.get("step") != step:
