@@ -85,5 +85,5 @@ def format_bench_sft(r: SftStepTimes) -> str:
         f"(native bfloat16 on this CPU: {'yes' if r.native_bf16 else 'no'}), medians of {len(r.float32_seconds)} runs:",
         f"  float32            {f32:7.2f} s  {r.tokens / f32:7.1f} tokens/s  loss {r.float32_loss:.4f}",
         f"  bfloat16 autocast  {b16:7.2f} s  {r.tokens / b16:7.1f} tokens/s  loss {r.bf16_loss:.4f}",
-        f"  bfloat16 / float32 speed: {f32 / b16:.2f}x",
+        f"  bfloat16 / float32 speed: {f32 / b16:.3g}x",
     ])
