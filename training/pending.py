@@ -25,6 +25,7 @@ from pathlib import Path
 from common.atomic import write_text_atomic
 from common.collectives import max_over_ranks
 from common.trajectory import Segment, Step, Trajectory
+from training.state import step_number
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,6 @@ def discard_played_steps(run_dir: Path, up_to: int) -> None:
     """Delete kept rollouts of steps <= `up_to` (a checkpoint of that step exists: they are trained on)."""
     root = Path(run_dir) / PENDING_DIR
     for directory in root.glob("step-*"):
-        number = directory.name.removeprefix("step-")
-        if number.isdigit() and int(number) <= up_to:
+        number = step_number(directory.name)
+        if number is not None and number <= up_to:
             shutil.rmtree(directory, ignore_errors=True)

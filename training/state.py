@@ -46,6 +46,12 @@ DEEPSPEED_DIR = "deepspeed"  # the engine's checkpoint (optimizer shards) inside
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
+def step_number(name: str) -> int | None:
+    """N of a `step-N` directory name (checkpoints/, pending/), None for any other name."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
 def task_pool(split: str, num_games: int, order: str, data_dir: str = "", task_types: str = "",
               games_file: str = "") -> list[str]:
     """The games GRPO draws its tasks from: the first `num_games` (0: all) of the split in `order`, of
@@ -250,7 +256,7 @@ RUN_ARTIFACTS = ("checkpoints", "metrics.jsonl", "rollouts", "pending", "plots",
 
 def previous_run(run_dir: Path) -> list[str]:
     """What an earlier run left in `run_dir` (checkpoints, metrics) that a new run would mix with."""
-    found = [p.name for p in sorted((Path(run_dir) / "checkpoints").glob("step-*")) if _STEP_DIR.match(p.name)]
+    found = [p.name for p in sorted((Path(run_dir) / "checkpoints").glob("step-*")) if step_number(p.name) is not None]
     metrics = Path(run_dir) / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size:
         found.append(metrics.name)
@@ -298,8 +304,8 @@ def find_checkpoint(run_dir: Path, resume: str) -> Path:
 def newest_checkpoint(run_dir: Path) -> Path | None:
     """RUN/checkpoints/step-N with the largest N whose files match its manifest (SFT and GRPO runs alike),
     or None. A newer one that does not verify is skipped with a warning that says why."""
-    steps = sorted(((int(m.group(1)), p) for p in (Path(run_dir) / "checkpoints").glob("step-*")
-                    if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()), reverse=True)
+    steps = sorted(((n, p) for p in (Path(run_dir) / "checkpoints").glob("step-*")
+                    if (n := step_number(p.name)) is not None and (p / STATE_FILE).is_file()), reverse=True)
     for _, path in steps:
         problem = checkpoint_problem(path)
         if problem is None:
