@@ -1,6 +1,6 @@
 """Several training processes on one CPU: `accelerate launch --num_processes N` with a DeepSpeed config.
 
-accelerate finds no distributed backend on a CPU; training.trainer `make_accelerator` names gloo for a
+accelerate finds no distributed backend on a CPU; training.accelerator `make_accelerator` names gloo for a
 DeepSpeed launch without CUDA, so the launched processes are real ranks of one process group (ZeRO
 shards, all-reduces and gathers run over gloo). A rank that waits forever in a collective shows up
 as the launch's timeout: `launch_ranks` turns it into a failure that says so.

@@ -20,7 +20,7 @@ of the tasks; token weights are scaled so the gradient is that of the global bat
 
 DeepSpeed (`accelerate launch --config_file configs/accelerate/zero{2,3}-8gpu.yaml`, or one CPU
 process with `--num_processes 1`): the engine owns the optimizer step (update.py `_boundary`),
-gradient clipping and the sharded optimizer state; `configure_deepspeed` fills the DeepSpeed
+gradient clipping and the sharded optimizer state; `configure_deepspeed` (training/accelerator.py) fills the DeepSpeed
 config's batch / clipping values from the train section. ZeRO-3 also shards the weights: the
 in-process transformers engine then generates inside `generation_weights`, which gathers the
 whole model on every process for the rollout phase (small models only: large models roll out
@@ -35,7 +35,6 @@ import contextlib
 import gc
 import json
 import logging
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -50,6 +49,7 @@ from common.seeding import seed_everything
 from rewards import score_trajectories
 from rollout.hf_engine import TransformersEngine
 from rollout.runner import make_renderer, open_envs, run_episodes
+from training.accelerator import configure_deepspeed, deepspeed_launched, make_accelerator
 from training.batching import (
     advantages_for,
     build_samples,
@@ -146,55 +146,6 @@ def release_cached_memory() -> None:
     """
     gc.collect()
     torch.cuda.empty_cache()
-
-
-def deepspeed_launched() -> bool:
-    """True under `accelerate launch` with a DeepSpeed config (accelerate's own environment flag)."""
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-
-
-def make_accelerator(cfg: Config):
-    """The run's `accelerate.Accelerator`.
-
-    DeepSpeed also runs on the CPU, on the gloo backend, but accelerate drops it when asked for
-    cpu=True and finds no backend of its own without a GPU (it would then report one process).
-    So a DeepSpeed launch without CUDA names gloo: `accelerate launch --num_processes 2` with a
-    ZeRO config then runs two real ranks on a CPU (tests/test_distributed.py).
-    """
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
-
-    handlers = []
-    if deepspeed_launched() and not torch.cuda.is_available():
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
-    cpu = (cfg.model.device == "cpu" or not torch.cuda.is_available()) and not deepspeed_launched()
-    return Accelerator(cpu=cpu, mixed_precision=cfg.train.mixed_precision, kwargs_handlers=handlers)
-
-
-def configure_deepspeed(acc, t) -> int:
-    """Fill the DeepSpeed config from the train section before `prepare`; return the ZeRO stage (-1: no DeepSpeed).
-
-    train_micro_batch_size_per_gpu = train.micro_batch_size (there is no dataloader for accelerate
-    to read it from), gradient_clipping = train.max_grad_norm (DeepSpeed clips at its step), and
-    gradient_accumulation_steps = 1: the number of micro-batches per optimizer step varies, so
-    update.py marks each step's boundary itself and DeepSpeed must neither count micro-steps nor
-    divide the loss by their number. A number in the file that disagrees stops the run.
-    """
-    plugin = acc.state.deepspeed_plugin
-    if plugin is None:
-        return -1
-    ds = plugin.deepspeed_config
-    wanted = {"train_micro_batch_size_per_gpu": ("train.micro_batch_size", t.micro_batch_size),
-              "gradient_clipping": ("train.max_grad_norm", t.max_grad_norm),
-              "gradient_accumulation_steps": ("1 (memexrl marks the step boundaries)", 1)}
-    for key, (source, value) in wanted.items():
-        current = ds.get(key, "auto")
-        if current == "auto":
-            ds[key] = value
-        elif float(current) != float(value):
-            raise MemexError(f"the DeepSpeed config sets {key}={current}, but it must equal {source} = {value}: "
-                             f"set it to \"auto\" in the DeepSpeed JSON")
-    return int(plugin.zero_stage)
 
 
 def minibatches(n_items: int, n_updates: int, seed: int, step: int) -> list[list[int]]:

@@ -8,7 +8,7 @@ of forward/backward passes (a zero-weight padding pass where it has fewer), or D
 Gradient accumulation: a minibatch has a variable number of micro-batches (its segment count
 depends on how often the agent compressed), so the optimizer-step boundary is marked here, at
 the last micro-batch, instead of being counted by `accelerator.accumulate` or by DeepSpeed's
-`gradient_accumulation_steps` (kept at 1, training/trainer.py `configure_deepspeed`): see
+`gradient_accumulation_steps` (kept at 1, training/accelerator.py `configure_deepspeed`): see
 `_boundary`. Each minibatch gets exactly one optimizer step on every backend.
 """
 
