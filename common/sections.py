@@ -135,6 +135,13 @@ class RolloutConfig:
         ".venv-vllm/bin/python")
     vllm_server_startup_s: float = _help("rollout.vllm_server_url=managed: seconds the server may take to come up.",
                                          900.0)
+    vllm_request_timeout_s: float = _help(
+        "vLLM server mode: seconds a turn's request may take before the run stops with a message (a turn of up to "
+        "max_new_tokens for a batch of long contexts can take many minutes on a CPU server).", 3600.0)
+    vllm_cpu_reserved_cores: int = _help(
+        "rollout.vllm_server_url=managed on a CPU: cores vLLM's CPU build keeps off its compute threads for its "
+        "scheduler (VLLM_CPU_NUM_OF_RESERVED_CPU). -1: vLLM's default (one core); 0: compute on every core, which "
+        "pays on a machine with few cores (2 cores: 1.8x the decode speed, memexrl bench rollout).", -1)
     vllm_gpu_memory_utilization: float = _help("Share of GPU memory the colocated vLLM may take.", 0.35)
 
 

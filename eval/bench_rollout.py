@@ -96,8 +96,10 @@ def matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 1.0) -> flo
     return 2 * n**3 * count / (time.perf_counter() - start)
 
 
-def _vllm_server_run(games: list[Path], cfg: Config, model, tokenizer, python: str, dtype: str = "float32") -> dict:
-    """The same episodes through a `vllm serve` of the same weights in `dtype` (vLLM's CPU build from `python`)."""
+def _vllm_server_run(games: list[Path], cfg: Config, model, tokenizer, python: str, dtype: str = "float32",
+                     env: dict | None = None) -> dict:
+    """The same episodes through a `vllm serve` of the same weights in `dtype` (vLLM's CPU build from `python`,
+    `env` added to its environment)."""
     import tempfile
 
     from rollout.vllm import make_vllm_engine
@@ -108,10 +110,14 @@ def _vllm_server_run(games: list[Path], cfg: Config, model, tokenizer, python: s
         tokenizer.save_pretrained(tmp)
         window = min(cfg.rollout.max_context_tokens, getattr(model.config, "max_position_embeddings", 8192))
         with ManagedServer.serving(python, tmp, Path(tmp) / "vllm-serve.log", dtype=dtype, max_model_len=window,
-                                   lora_rank=0) as server:
+                                   lora_rank=0, env=env) as server:
             engine = make_vllm_engine(model_dir=tmp, tokenizer=tokenizer, sampling=cfg.rollout, seed=cfg.seed,
                                       dtype=dtype, **server.engine_args())
             return _play(games, cfg, model, tokenizer, engine=engine)
+
+
+ALL_CORES = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # rollout.vllm_cpu_reserved_cores=0: vLLM's CPU worker computes on
+                                                   # every core (default: one kept for its scheduler process)
 
 
 def engine_dtypes(games: list[Path], cfg: Config, model, tokenizer, vllm_python: str = "") -> dict:
@@ -121,13 +127,14 @@ def engine_dtypes(games: list[Path], cfg: Config, model, tokenizer, vllm_python:
 
     flops_per_token = 2 * sum(p.numel() for p in model.parameters())
     out = {}
-    engines = [("float32", torch.float32, False), ("bfloat16", torch.bfloat16, False)]
+    engines = [("float32", torch.float32, None), ("bfloat16", torch.bfloat16, None)]
     if vllm_python:
-        engines += [("vllm server", torch.float32, True)]
-        engines += [("vllm bf16", torch.bfloat16, True)] if cpu_has_native_bf16() else []
-    for name, dtype, vllm in engines:
-        if vllm:
-            run = _vllm_server_run(games, cfg, model, tokenizer, vllm_python, str(dtype).removeprefix("torch."))
+        engines += [("vllm server", torch.float32, {}), ("vllm all cores", torch.float32, ALL_CORES)]
+        engines += [("vllm bf16", torch.bfloat16, {})] if cpu_has_native_bf16() else []
+    for name, dtype, server_env in engines:
+        if server_env is not None:
+            run = _vllm_server_run(games, cfg, model, tokenizer, vllm_python, str(dtype).removeprefix("torch."),
+                                   server_env)
         else:
             run = _play(games, cfg, model, tokenizer, dtype=dtype if dtype != torch.float32 else None)
         rate = run["generated_tokens"] / run["times"].engine_s
@@ -146,7 +153,8 @@ def format_engine_dtypes(r: dict) -> str:
         rows.append(f"{name:<15} {x['engine_s']:>9.1f} {x['generated_tokens']:>8} {x['tokens_per_s']:>10.1f} "
                     f"{x['ratio']:>10.2f}x {x['roofline_flops'] / 1e9:>15.1f} {100 * x['roofline_share']:>14.2f}%")
     rows.append("(float32: today's transformers engine; bfloat16: rollout.dtype=bfloat16; vllm server: "
-                "rollout.engine=vllm rollout.vllm_server_url=managed, vLLM's CPU build, float32; vllm bf16: the same "
+                "rollout.engine=vllm rollout.vllm_server_url=managed, vLLM's CPU build, float32; vllm all cores: the same "
+                "with rollout.vllm_cpu_reserved_cores=0; vllm bf16: the same "
                 "with rollout.dtype=bfloat16, on CPUs with native bfloat16)")
     return "\n".join(rows)
 

@@ -132,7 +132,7 @@ class VLLMEngine(Engine):
 
     def __init__(self, tokenizer, *, llm=None, server_url: str | None = None, served_model: str = "",
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                 adapter_dir: str | None = None, bucket_bytes: int = BUCKET_BYTES, timeout_s: float = 600.0,
+                 adapter_dir: str | None = None, bucket_bytes: int = BUCKET_BYTES, timeout_s: float = 3600.0,
                  sleep_mode: bool = False, model_dir: str = "", server_check=None):
         if (llm is None) == (server_url is None):
             raise MemexError("VLLMEngine needs exactly one of llm (colocate) or server_url (server)")
@@ -203,9 +203,13 @@ class VLLMEngine(Engine):
                 raw = resp.read()
         except urllib.error.HTTPError:
             raise  # the server answered: it is up, and the error says what it refused
-        except OSError:
+        except OSError as err:
             if self.server_check is not None:
                 self.server_check()  # a managed server that died: its log's reason, not "connection refused"
+            if isinstance(err, TimeoutError) or isinstance(getattr(err, "reason", None), TimeoutError):
+                raise MemexError(f"the vLLM server at {self.server_url} did not answer {route} within "
+                                 f"{self.timeout_s:.0f} s: raise rollout.vllm_request_timeout_s if it is slow "
+                                 f"(a CPU server with long contexts), or check that it is not stuck") from err
             raise
         return json.loads(raw) if raw.strip().startswith(b"{") else {}
 
@@ -366,12 +370,13 @@ def launcher_environment(ranks: Ranks, env=os.environ) -> None:
 
 def make_vllm_engine(*, model_dir: str, tokenizer, sampling: RolloutConfig, seed: int, dtype: str,
                      server_url: str | None = None, served_model: str = "", lora_rank: int = 0, ranks: Ranks = Ranks(),
-                     server_check=None, **llm_kwargs) -> VLLMEngine:
+                     server_check=None, timeout_s: float = 3600.0, **llm_kwargs) -> VLLMEngine:
     """A VLLMEngine: server mode when `server_url` is given, else a colocated LLM of `dtype` weights.
 
     `sampling` gives temperature / top_p / top_k (the run's `rollout` section), `seed` the sampling seed.
     `lora_rank` > 0 enables LoRA adapters of that rank (pass cfg.train.lora_r for finetune lora/qlora).
-    `server_check` (server mode): called when a request fails, raises if the server is gone (ManagedServer.check_running).
+    `server_check` (server mode): called when a request fails, raises if the server is gone (ManagedServer.check_running);
+    `timeout_s` (server mode): seconds a request may take (rollout.vllm_request_timeout_s).
     `ranks`: this process among the training processes (`Ranks.of(accelerator)`); with more than one,
     each process's engine goes on its own GPU (`colocated_llm_kwargs`).
     Extra keyword arguments go to `vllm.LLM` (gpu_memory_utilization, max_model_len, dtype...).
@@ -380,7 +385,7 @@ def make_vllm_engine(*, model_dir: str, tokenizer, sampling: RolloutConfig, seed
     common = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "seed": seed}
     if server_url:
         return VLLMEngine(tokenizer, server_url=server_url, served_model=served_model or str(model_dir),
-                          model_dir=str(model_dir), server_check=server_check, **common)
+                          model_dir=str(model_dir), server_check=server_check, timeout_s=timeout_s, **common)
     import inspect
 
     from vllm import LLM

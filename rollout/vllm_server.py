@@ -118,11 +118,12 @@ class ManagedServer:
 
     @classmethod
     def serving(cls, python: str, model: str, log_file: str | Path, *, dtype: str, max_model_len: int,
-                lora_rank: int, startup_s: float = 900.0) -> ManagedServer:
-        """A server of `model` on a free local port, from `python` (`serve_command`); it starts when entered."""
+                lora_rank: int, startup_s: float = 900.0, env: dict | None = None) -> ManagedServer:
+        """A server of `model` on a free local port, from `python` (`serve_command`), with `env` added to this
+        process's environment; it starts when entered."""
         port = free_port()
         cmd = serve_command(python, model, port, dtype=dtype, max_model_len=max_model_len, lora_rank=lora_rank)
-        return cls(cmd, port, log_file, startup_s)
+        return cls(cmd, port, log_file, startup_s, env)
 
     def engine_args(self) -> dict:
         """`make_vllm_engine`'s server arguments for this server: its URL, and the check that names why it died."""
@@ -166,12 +167,18 @@ def engine_server_args(rollout, model_dir: str, log_file: str | Path, *, dtype: 
                        resources) -> dict:
     """`make_vllm_engine`'s server arguments for `rollout.vllm_server_url`: "" -> none (a colocated vLLM), a URL -> that
     server, "managed" -> a `ManagedServer` of `model_dir` started now and stopped when `resources` (an ExitStack that
-    owns the run's lifetime) closes."""
+    owns the run's lifetime) closes; on a CPU with rollout.vllm_cpu_reserved_cores >= 0, its compute threads
+    leave that many cores to its scheduler."""
+    if not rollout.vllm_server_url:
+        return {"server_url": None}
+    timeout = {"timeout_s": rollout.vllm_request_timeout_s}
     if rollout.vllm_server_url != "managed":
-        return {"server_url": rollout.vllm_server_url or None}
+        return {"server_url": rollout.vllm_server_url, **timeout}
     if resources is None:
         raise MemexError("rollout.vllm_server_url=managed needs a caller that owns the server's lifetime (an ExitStack)")
+    reserved = rollout.vllm_cpu_reserved_cores
     server = ManagedServer.serving(rollout.vllm_server_python, str(model_dir), log_file, dtype=dtype,
                                    max_model_len=rollout.max_context_tokens, lora_rank=lora_rank,
-                                   startup_s=rollout.vllm_server_startup_s)
-    return resources.enter_context(server).engine_args()
+                                   startup_s=rollout.vllm_server_startup_s,
+                                   env={"VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved)} if reserved >= 0 else None)
+    return {**resources.enter_context(server).engine_args(), **timeout}

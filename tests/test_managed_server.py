@@ -94,3 +94,50 @@ def test_a_killed_trainer_leaves_no_server(tmp_path):
         time.sleep(0.2)
     os.kill(server_pid, signal.SIGKILL)
     pytest.fail("the server outlived the process that started it")
+
+
+SLOW_SERVER = """
+import http.server, os, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1]) if "--port" in sys.argv else int(sys.argv[1])
+print("VLLM_CPU_NUM_OF_RESERVED_CPU=" + os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "unset"), flush=True)
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def do_POST(self):
+        time.sleep(30)  # a turn that takes longer than the request timeout
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def _stand_in_python(tmp_path: Path) -> str:
+    """An executable that `serve_command` runs as the server's Python: it serves SLOW_SERVER on the given --port."""
+    (tmp_path / "server.py").write_text(SLOW_SERVER)
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} {tmp_path / 'server.py'} \"$@\"\n")
+    python.chmod(0o755)
+    return str(python)
+
+
+@pytest.mark.parametrize("reserved, seen", [(0, "0"), (-1, "unset")])
+def test_a_slow_server_stops_with_the_setting_to_raise(tmp_path, smol_tokenizer, reserved, seen):
+    """rollout.vllm_request_timeout_s reaches the engine, and a turn past it is one message naming the setting
+    (was: a bare socket TimeoutError after 600 s); rollout.vllm_cpu_reserved_cores reaches the managed server."""
+    import contextlib
+
+    from rollout.vllm_server import engine_server_args
+
+    rollout = RolloutConfig(vllm_server_url="managed", vllm_server_python=_stand_in_python(tmp_path),
+                            vllm_request_timeout_s=1.0, vllm_cpu_reserved_cores=reserved)
+    with contextlib.ExitStack() as resources:
+        server = engine_server_args(rollout, "m", tmp_path / "serve.log", dtype="float32", lora_rank=0,
+                                    resources=resources)
+        engine = make_vllm_engine(model_dir="m", tokenizer=smol_tokenizer, sampling=rollout, seed=0, dtype="float32",
+                                  **server)
+        started = time.monotonic()
+        with pytest.raises(MemexError, match="did not answer /v1/completions within 1 s: raise "
+                                             "rollout.vllm_request_timeout_s"):
+            engine.generate([GenerationRequest("e0", [1, 2, 3], 4)])
+        assert time.monotonic() - started < 25  # the timeout, not the server's 30 s
+    assert f"VLLM_CPU_NUM_OF_RESERVED_CPU={seen}" in (tmp_path / "serve.log").read_text()
