@@ -86,6 +86,7 @@ class Config:
             (self.train.learning_rate > 0, "train.learning_rate must be > 0"),
             (self.train.lora_r > 0, "train.lora_r must be > 0"),
             (self.rollout.temperature >= 0, "rollout.temperature must be >= 0"),
+            (self.rollout.vllm_request_timeout_s > 0, "rollout.vllm_request_timeout_s must be > 0"),
             (self.eval.agent in AGENT_NAMES, f"eval.agent must be one of {', '.join(AGENT_NAMES)}"),
             (self.eval.games >= 0, "eval.games must be >= 0"),
             (self.eval.truncate_turns > 0, "eval.truncate_turns must be > 0"),
@@ -148,7 +149,8 @@ class Config:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
-NEGATIVE_MEANS = {"sft.max_steps": "-1: run all epochs (TRL's convention)"}
+NEGATIVE_MEANS = {"sft.max_steps": "-1: run all epochs (TRL's convention)",
+                  "rollout.vllm_cpu_reserved_cores": "-1: vLLM's own default (one core kept for its scheduler)"}
 
 
 def _number_problems(cfg: Config) -> list[str]:

@@ -32,6 +32,8 @@ def exit_code_and_error(argv, capsys) -> tuple[int, str]:
     ("train.max_episode_steps=-3", "train.max_episode_steps must be >= 0"),
     ("rollout.max_context_tokens=0", "rollout.max_context_tokens must be > 0"),
     ("env.step_timeout_s=0", "env.step_timeout_s must be > 0"),
+    ("rollout.vllm_request_timeout_s=0", "rollout.vllm_request_timeout_s must be > 0"),
+    ("rollout.vllm_cpu_reserved_cores=-2", "rollout.vllm_cpu_reserved_cores must be >= 0, got -2"),
     ("seed=-1", "seed must be >= 0"),
 ])
 def test_bad_numbers_stop_even_a_dry_run(override, fragment, capsys):
