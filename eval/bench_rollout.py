@@ -116,20 +116,17 @@ def _vllm_server_run(games: list[Path], cfg: Config, model, tokenizer, python: s
             return _play(games, cfg, model, tokenizer, engine=engine)
 
 
-ALL_CORES = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # rollout.vllm_cpu_reserved_cores=0: vLLM's CPU worker computes on
-                                                   # every core (default: one kept for its scheduler process)
-
-
 def engine_dtypes(games: list[Path], cfg: Config, model, tokenizer, vllm_python: str = "") -> dict:
     """float32 and bfloat16 transformers rollouts, and a vLLM CPU server when `vllm_python` names its Python (in
     float32, and in bfloat16 too where the CPU computes it natively)."""
     from modeling.load import cpu_has_native_bf16
+    from rollout.vllm_server import reserved_cores_env
 
     flops_per_token = 2 * sum(p.numel() for p in model.parameters())
     out = {}
     engines = [("float32", torch.float32, None), ("bfloat16", torch.bfloat16, None)]
     if vllm_python:
-        engines += [("vllm server", torch.float32, {}), ("vllm all cores", torch.float32, ALL_CORES)]
+        engines += [("vllm server", torch.float32, {}), ("vllm all cores", torch.float32, reserved_cores_env(0))]
         engines += [("vllm bf16", torch.bfloat16, {})] if cpu_has_native_bf16() else []
     for name, dtype, server_env in engines:
         if server_env is not None:

@@ -163,6 +163,12 @@ class ManagedServer:
         self.proc = None
 
 
+def reserved_cores_env(reserved: int) -> dict | None:
+    """The managed server's environment for rollout.vllm_cpu_reserved_cores: vLLM's CPU build keeps `reserved` cores
+    off its compute threads for its scheduler (VLLM_CPU_NUM_OF_RESERVED_CPU); -1: None, vLLM's default (one core)."""
+    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved)} if reserved >= 0 else None
+
+
 def engine_server_args(rollout, model_dir: str, log_file: str | Path, *, dtype: str, lora_rank: int,
                        resources) -> dict:
     """`make_vllm_engine`'s server arguments for `rollout.vllm_server_url`: "" -> none (a colocated vLLM), a URL -> that
@@ -176,9 +182,8 @@ def engine_server_args(rollout, model_dir: str, log_file: str | Path, *, dtype: 
         return {"server_url": rollout.vllm_server_url, **timeout}
     if resources is None:
         raise MemexError("rollout.vllm_server_url=managed needs a caller that owns the server's lifetime (an ExitStack)")
-    reserved = rollout.vllm_cpu_reserved_cores
     server = ManagedServer.serving(rollout.vllm_server_python, str(model_dir), log_file, dtype=dtype,
                                    max_model_len=rollout.max_context_tokens, lora_rank=lora_rank,
                                    startup_s=rollout.vllm_server_startup_s,
-                                   env={"VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved)} if reserved >= 0 else None)
+                                   env=reserved_cores_env(rollout.vllm_cpu_reserved_cores))
     return {**resources.enter_context(server).engine_args(), **timeout}
