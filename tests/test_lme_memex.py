@@ -166,3 +166,40 @@ def test_an_env_action_at_query_time_gets_the_reading_envs_answer_and_the_reads_
     assert [s["tool"] for s in episode["steps"]] == ["execute_action", "ReadExperience", "finish"]
     assert episode["steps"][0]["observation"].startswith(NO_MORE_STATES)
     memory.close()
+
+
+class FailingOn(ScriptedEngine):
+    """The scripted policy, with an engine fault (a server error, a timeout) on every request of one episode."""
+
+    def __init__(self, tokenizer, scripts, failing: str):
+        super().__init__(tokenizer, scripts)
+        self.failing = failing
+
+    def generate(self, requests):
+        if any(r.episode_id == self.failing for r in requests):
+            raise RuntimeError("the vLLM server did not answer")
+        return super().generate(requests)
+
+
+@pytest.mark.parametrize("failing", ["insert-t0000", "query"])
+def test_an_engine_fault_ends_one_episode_not_the_evaluation(tmp_path, smol_tokenizer, failing):
+    """A request the engine fails on (was: the exception ended the whole `eval lme` run) crashes its own episode:
+    the other trajectory is archived, and a question whose episode crashed returns what it had read (nothing)."""
+    other = {**TRAJ, "id": "traj-43"}
+    engine = FailingOn(smol_tokenizer, {"insert-t0000": INSERT, "insert-t0001": INSERT, "query": QUERY}, failing)
+    cfg = load_config(None, ["memory.threshold=1000", "rollout.max_context_tokens=8192"])
+    memory = make_memory("memex", MemoryOptions(extra={"engine": (engine, smol_tokenizer), "config": cfg,
+                                                       "workdir": str(tmp_path), "insert_batch": 8}))
+    memory.insert(TRAJ)
+    memory.insert(other)
+    memory.flush()
+    episodes = [json.loads(line) for line in (tmp_path / "insert_episodes.jsonl").read_text().splitlines()]
+    ends = {e["trajectory_id"]: e["end_reason"] for e in episodes}
+    assert memory.inserted() == ["traj-42", "traj-43"]
+    assert memory.store.indices() == (["currency", "facts"] if failing == "insert-t0000" else
+                                      ["currency", "facts", "currency-2", "facts-2"])
+    assert ends == ({"traj-42": "crash", "traj-43": "finish"} if failing == "insert-t0000" else
+                    {"traj-42": "finish", "traj-43": "finish"})
+    items = memory.query("What currency does the ShopNova store use?")
+    assert (items == []) == (failing == "query")
+    memory.close()

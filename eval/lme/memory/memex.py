@@ -58,6 +58,7 @@ from memory.catalog import catalog_text, what_it_holds
 from memory.parsing import READ
 from memory.store import BlockWrite, InMemoryStore, SQLiteStore
 from rollout.episode import Episode
+from rollout.runner import generate_each, make_renderer
 from rollout.strategies import AgentSpec
 from training.policy import resolve_checkpoint
 
@@ -171,7 +172,6 @@ class MemexMemory(Memory):
     def _engine_and_renderer(self):
         if self._engine is None:
             from eval.engine import make_eval_engine
-            from rollout.runner import make_renderer
 
             given = self.options.extra.get("engine")  # (engine, tokenizer) already built, e.g. a ScriptedEngine
             engine, tokenizer = given or make_eval_engine(self.cfg, self.checkpoint, self.dir, self._resources)
@@ -187,7 +187,11 @@ class MemexMemory(Memory):
             while active:
                 requests = [GenerationRequest(ep.id, ep.request_ids(), ep.max_new_tokens(), state=ep)
                             for ep, _ in active]
-                for (episode, pager), completion in zip(active, engine.generate(requests)):
+                for (episode, pager), completion in zip(active, generate_each(engine, requests)):
+                    if isinstance(completion, str):  # the engine failed on this request: the episode, not the run
+                        log.warning("memex: %s ends on an engine fault: %s", episode.id, completion)
+                        episode.crash(completion)
+                        continue
                     action = episode.on_completion(completion)
                     if action is not None:
                         episode.on_env_result(pager.step(action))
@@ -266,7 +270,12 @@ class MemexMemory(Memory):
         read: list[str] = []  # (one question at a time: the latency of query() is its own)
         while not episode.done and len(read) < self.max_reads:
             req = GenerationRequest(episode.id, episode.request_ids(), episode.max_new_tokens(), state=episode)
-            action = episode.on_completion(engine.generate([req])[0])
+            (completion,) = generate_each(engine, [req])
+            if isinstance(completion, str):  # the engine failed: this question reads what it has read so far
+                log.warning("memex: a question's episode ends on an engine fault: %s", completion)
+                episode.crash(completion)
+                break
+            action = episode.on_completion(completion)
             if action is not None:  # an env action
                 episode.on_env_result(pager.step(action))
             last = episode.traj.steps[-1] if episode.traj.steps else None
