@@ -203,3 +203,16 @@ def test_an_engine_fault_ends_one_episode_not_the_evaluation(tmp_path, smol_toke
     items = memory.query("What currency does the ShopNova store use?")
     assert (items == []) == (failing == "query")
     memory.close()
+
+
+def test_a_batch_whose_every_episode_crashed_stops_the_evaluation(tmp_path, smol_tokenizer):
+    """An engine that fails every request (a server gone for good) is not a result of empty memories."""
+    engine = FailingOn(smol_tokenizer, {"insert-t0000": INSERT}, "insert-t0000")
+    cfg = load_config(None, ["memory.threshold=1000", "rollout.max_context_tokens=8192"])
+    memory = make_memory("memex", MemoryOptions(extra={"engine": (engine, smol_tokenizer), "config": cfg,
+                                                       "workdir": str(tmp_path)}))
+    memory.insert(TRAJ)
+    with pytest.raises(MemexError, match="every memex episode of this batch of 1 trajectories crashed; the first: "
+                                         "engine: RuntimeError: the vLLM server did not answer"):
+        memory.flush()
+    memory.close()

@@ -201,6 +201,9 @@ class MemexMemory(Memory):
                         bar.update()
                 active = [g for g in active if not g[0].done]
                 bar.set_postfix(turn=max((len(ep.traj.steps) for ep, _ in games), default=0))
+        if games and all(ep.traj.crashed for ep, _ in games):  # a fault of the engine's, not one request's
+            raise MemexError(f"every memex episode of this batch of {len(games)} trajectories crashed; the first: "
+                             f"{games[0][0].traj.error}")
 
     def _episode(self, store, max_steps: int, first: EnvResult, tag: str) -> Episode:
         _, renderer = self._engine_and_renderer()
