@@ -48,10 +48,12 @@ QUERY = [call("ReadExperience", {"db_index": "currency"}, "The currency block.")
 
 @pytest.fixture
 def options(tmp_path, smol_tokenizer):
-    def make(workdir, query=QUERY, inserts=(INSERT,), **settings):
-        """The options of a memex memory whose policy plays `inserts` (one script a trajectory, in order) and `query`."""
+    def make(workdir, query=QUERY, inserts=(INSERT,), failing=None, **settings):
+        """The options of a memex memory whose policy plays `inserts` (one script a trajectory, in order) and `query`;
+        the engine fails every request of the episode `failing` (FailingOn)."""
         scripts = {f"insert-t{n:04d}": script for n, script in enumerate(inserts)}
-        engine = ScriptedEngine(smol_tokenizer, {**scripts, "query": query})
+        engine = (FailingOn(smol_tokenizer, {**scripts, "query": query}, failing) if failing else
+                  ScriptedEngine(smol_tokenizer, {**scripts, "query": query}))
         cfg = load_config(None, ["memory.threshold=1000", "rollout.max_context_tokens=8192"])
         return MemoryOptions(extra={"engine": (engine, smol_tokenizer), "config": cfg, "workdir": str(workdir),
                                     **settings})
@@ -182,14 +184,11 @@ class FailingOn(ScriptedEngine):
 
 
 @pytest.mark.parametrize("failing", ["insert-t0000", "query"])
-def test_an_engine_fault_ends_one_episode_not_the_evaluation(tmp_path, smol_tokenizer, failing):
+def test_an_engine_fault_ends_one_episode_not_the_evaluation(tmp_path, options, failing):
     """A request the engine fails on (was: the exception ended the whole `eval lme` run) crashes its own episode:
     the other trajectory is archived, and a question whose episode crashed returns what it had read (nothing)."""
     other = {**TRAJ, "id": "traj-43"}
-    engine = FailingOn(smol_tokenizer, {"insert-t0000": INSERT, "insert-t0001": INSERT, "query": QUERY}, failing)
-    cfg = load_config(None, ["memory.threshold=1000", "rollout.max_context_tokens=8192"])
-    memory = make_memory("memex", MemoryOptions(extra={"engine": (engine, smol_tokenizer), "config": cfg,
-                                                       "workdir": str(tmp_path), "insert_batch": 8}))
+    memory = make_memory("memex", options(tmp_path, inserts=(INSERT, INSERT), failing=failing, insert_batch=8))
     memory.insert(TRAJ)
     memory.insert(other)
     memory.flush()
@@ -205,12 +204,9 @@ def test_an_engine_fault_ends_one_episode_not_the_evaluation(tmp_path, smol_toke
     memory.close()
 
 
-def test_a_batch_whose_every_episode_crashed_stops_the_evaluation(tmp_path, smol_tokenizer):
+def test_a_batch_whose_every_episode_crashed_stops_the_evaluation(tmp_path, options):
     """An engine that fails every request (a server gone for good) is not a result of empty memories."""
-    engine = FailingOn(smol_tokenizer, {"insert-t0000": INSERT}, "insert-t0000")
-    cfg = load_config(None, ["memory.threshold=1000", "rollout.max_context_tokens=8192"])
-    memory = make_memory("memex", MemoryOptions(extra={"engine": (engine, smol_tokenizer), "config": cfg,
-                                                       "workdir": str(tmp_path)}))
+    memory = make_memory("memex", options(tmp_path, failing="insert-t0000"))
     memory.insert(TRAJ)
     with pytest.raises(MemexError, match="every memex episode of this batch of 1 trajectories crashed; the first: "
                                          "engine: RuntimeError: the vLLM server did not answer"):
