@@ -370,13 +370,13 @@ def launcher_environment(ranks: Ranks, env=os.environ) -> None:
 
 def make_vllm_engine(*, model_dir: str, tokenizer, sampling: RolloutConfig, seed: int, dtype: str,
                      server_url: str | None = None, served_model: str = "", lora_rank: int = 0, ranks: Ranks = Ranks(),
-                     server_check=None, timeout_s: float = 3600.0, **llm_kwargs) -> VLLMEngine:
+                     server_check=None, **llm_kwargs) -> VLLMEngine:
     """A VLLMEngine: server mode when `server_url` is given, else a colocated LLM of `dtype` weights.
 
-    `sampling` gives temperature / top_p / top_k (the run's `rollout` section), `seed` the sampling seed.
+    `sampling` gives temperature / top_p / top_k and, in server mode, the request timeout (the run's `rollout`
+    section: vllm_request_timeout_s), `seed` the sampling seed.
     `lora_rank` > 0 enables LoRA adapters of that rank (pass cfg.train.lora_r for finetune lora/qlora).
-    `server_check` (server mode): called when a request fails, raises if the server is gone (ManagedServer.check_running);
-    `timeout_s` (server mode): seconds a request may take (rollout.vllm_request_timeout_s).
+    `server_check` (server mode): called when a request fails, raises if the server is gone (ManagedServer.check_running).
     `ranks`: this process among the training processes (`Ranks.of(accelerator)`); with more than one,
     each process's engine goes on its own GPU (`colocated_llm_kwargs`).
     Extra keyword arguments go to `vllm.LLM` (gpu_memory_utilization, max_model_len, dtype...).
@@ -385,7 +385,8 @@ def make_vllm_engine(*, model_dir: str, tokenizer, sampling: RolloutConfig, seed
     common = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "seed": seed}
     if server_url:
         return VLLMEngine(tokenizer, server_url=server_url, served_model=served_model or str(model_dir),
-                          model_dir=str(model_dir), server_check=server_check, timeout_s=timeout_s, **common)
+                          model_dir=str(model_dir), server_check=server_check,
+                          timeout_s=r.vllm_request_timeout_s, **common)
     import inspect
 
     from vllm import LLM

@@ -175,15 +175,12 @@ def engine_server_args(rollout, model_dir: str, log_file: str | Path, *, dtype: 
     server, "managed" -> a `ManagedServer` of `model_dir` started now and stopped when `resources` (an ExitStack that
     owns the run's lifetime) closes; on a CPU with rollout.vllm_cpu_reserved_cores >= 0, its compute threads
     leave that many cores to its scheduler."""
-    if not rollout.vllm_server_url:
-        return {"server_url": None}
-    timeout = {"timeout_s": rollout.vllm_request_timeout_s}
     if rollout.vllm_server_url != "managed":
-        return {"server_url": rollout.vllm_server_url, **timeout}
+        return {"server_url": rollout.vllm_server_url or None}
     if resources is None:
         raise MemexError("rollout.vllm_server_url=managed needs a caller that owns the server's lifetime (an ExitStack)")
     server = ManagedServer.serving(rollout.vllm_server_python, str(model_dir), log_file, dtype=dtype,
                                    max_model_len=rollout.max_context_tokens, lora_rank=lora_rank,
                                    startup_s=rollout.vllm_server_startup_s,
                                    env=reserved_cores_env(rollout.vllm_cpu_reserved_cores))
-    return {**resources.enter_context(server).engine_args(), **timeout}
+    return resources.enter_context(server).engine_args()
