@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,7 +209,7 @@ def answer_part(text: str, thinking: bool = False) -> str:
 
 
 def parse_tool_call(text: str, tools: tuple[str, ...] | None = None, optional: tuple[str, ...] = (),
-                    thinking: bool = False) -> ParsedCall:
+                    thinking: bool = False, archive: Container[str] = ()) -> ParsedCall:
     """Parse one assistant reply into a tool call.
 
     `tools` restricts the accepted tool names (e.g. baselines without memory tools);
@@ -216,6 +217,8 @@ def parse_tool_call(text: str, tools: tuple[str, ...] | None = None, optional: t
     compress-only baseline's CompressExperience has no db_blocks). Reasoning is ignored:
     <think>...</think> blocks, or with `thinking` everything up to the last </think>
     (`answer_part`), so a <tool_call> the model mentions while reasoning is not a call.
+    `archive` holds the experience store's indices (the store itself will do): a call named after one of
+    them (a weak policy's way to read a block) is answered with the ReadExperience call that reads it.
     """
     allowed = tuple(_ARGUMENTS) if tools is None else tools
     visible = answer_part(text, thinking)
@@ -240,6 +243,9 @@ def parse_tool_call(text: str, tools: tuple[str, ...] | None = None, optional: t
     name = call.get("name")
     if not isinstance(name, str) or not name:
         return _malformed("the call has no 'name'")
+    if name not in allowed and name in archive and READ in allowed:
+        return ParsedCall(kind="malformed", error=f"Format error: {quote(name)} is an archive index, not a tool; "
+                          f"read it back with ReadExperience. Use exactly: {render_tool_call(READ, {'db_index': name})}")
     if name not in allowed:
         return _malformed(f"unknown tool {quote(name)}; available tools: {', '.join(allowed)}")
     arguments = call.get("arguments", {})

@@ -120,7 +120,8 @@ class Episode:
         self.context.add_assistant(
             completion.text, completion.token_ids, completion.logprobs, step, trained=completion.trained
         )
-        parsed = parse_tool_call(completion.text, self.tools, self.agent.optional_arguments, self.renderer.thinking)
+        parsed = parse_tool_call(completion.text, self.tools, self.agent.optional_arguments, self.renderer.thinking,
+                                 archive=self.store)
         if self.agent.chain:
             self._chain.append(state_summary(answer_part(completion.text, self.renderer.thinking)))
         record = Step(

@@ -76,6 +76,18 @@ def test_arguments_as_json_string_are_accepted():
     assert parse_tool_call(text).arguments == {"db_index": "a"}
 
 
+def test_a_call_named_after_an_archived_index_is_shown_the_read_of_it():
+    """A weak policy calls a block by its index ({"name": "shop-2", ...}): the error gives the call that reads
+    it; a name that is neither a tool nor an index, or an index where ReadExperience is not a tool, does not."""
+    archive = {"shop-2"}
+    error = parse_tool_call(call("shop-2", {"state": "2"}), archive=archive).error
+    assert "'shop-2' is an archive index, not a tool" in error
+    assert error.endswith("Use exactly: " + call("ReadExperience", {"db_index": "shop-2"}))
+    assert "unknown tool 'fly'" in parse_tool_call(call("fly", {}), archive=archive).error
+    no_read = parse_tool_call(call("shop-2", {}), tools=("execute_action", "finish"), archive=archive).error
+    assert "unknown tool 'shop-2'" in no_read
+
+
 def test_restricted_tool_set():
     parsed = parse_tool_call(call("ReadExperience", {"db_index": "a"}), tools=("execute_action", "finish"))
     assert parsed.format_error and "unknown tool" in parsed.error

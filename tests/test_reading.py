@@ -137,9 +137,13 @@ def test_what_is_read_after_the_question_is_the_reward(tasks_dir, cfg, smol_toke
     assert len(won.segments) == 4  # reading, after each of the two compressions, the question
     assert won.reward["task"] == 1.0 and won.success and won.stats["num_redundant"] == 0
 
-    wrong = play(cfg, smol_tokenizer, path, head + [NEXT, call("ReadExperience", {"db_index": "noise"}),
-                                                    call("finish", {})])
+    wrong = play(cfg, smol_tokenizer, path, head + [NEXT, call("noise", {"state": "1"}),
+                                                    call("ReadExperience", {"db_index": "noise"}), call("finish", {})])
     assert wrong.reward["task"] == 0.0 and not wrong.success
+    misnamed = wrong.steps[asked + 1]  # a block's index used as the tool's name: told the call that reads it
+    assert misnamed.format_error and misnamed.observation.startswith(
+        "Format error: 'noise' is an archive index, not a tool; read it back with ReadExperience. Use exactly: "
+        + call("ReadExperience", {"db_index": "noise"}))
     early = play(cfg, smol_tokenizer, path, [NEXT] * pages + [compress("facts", facts, "the values seen"),
                                                               call("ReadExperience", {"db_index": "facts"}),
                                                               call("finish", {})])  # never asked
