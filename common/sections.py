@@ -141,7 +141,7 @@ class RolloutConfig:
     vllm_cpu_reserved_cores: int = _help(
         "rollout.vllm_server_url=managed on a CPU: cores vLLM's CPU build keeps off its compute threads for its "
         "scheduler (VLLM_CPU_NUM_OF_RESERVED_CPU). -1: vLLM's default (one core); 0: compute on every core, which "
-        "pays on a machine with few cores (2 cores: 1.76x the decode speed, docs/results.md section 3).", -1)
+        "pays on a machine with few cores (2 cores: 1.46x the rollouts' speed, `memexrl bench rollout`, docs/benchmarks.md).", -1)
     vllm_gpu_memory_utilization: float = _help("Share of GPU memory the colocated vLLM may take.", 0.35)
 
 
