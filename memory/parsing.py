@@ -191,10 +191,11 @@ def decode_json(text: str) -> tuple[Any, str | None]:
     return (None, problem) if problem else (value, None)
 
 
-def _malformed(message: str, call_text: str = "") -> ParsedCall:
-    """A format error, with the form of the tool that `call_text` (the broken call) names, if any."""
-    named = _NAMED.search(call_text)
-    example = CALL_EXAMPLES.get(named.group(1), CALL_EXAMPLE) if named else CALL_EXAMPLE
+def _malformed(message: str, call_text: str = "", example: str = "") -> ParsedCall:
+    """A format error, with `example` or else the form of the tool that `call_text` (the broken call) names, if any."""
+    if not example:
+        named = _NAMED.search(call_text)
+        example = CALL_EXAMPLES.get(named.group(1), CALL_EXAMPLE) if named else CALL_EXAMPLE
     return ParsedCall(kind="malformed", error=f"Format error: {message}. Use exactly: {example}")
 
 
@@ -243,10 +244,10 @@ def parse_tool_call(text: str, tools: tuple[str, ...] | None = None, optional: t
     name = call.get("name")
     if not isinstance(name, str) or not name:
         return _malformed("the call has no 'name'")
-    if name not in allowed and name in archive and READ in allowed:
-        return ParsedCall(kind="malformed", error=f"Format error: {quote(name)} is an archive index, not a tool; "
-                          f"read it back with ReadExperience. Use exactly: {render_tool_call(READ, {'db_index': name})}")
     if name not in allowed:
+        if name in archive and READ in allowed:
+            return _malformed(f"{quote(name)} is an archive index, not a tool; read it back with ReadExperience",
+                              example=render_tool_call(READ, {"db_index": name}))
         return _malformed(f"unknown tool {quote(name)}; available tools: {', '.join(allowed)}")
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):  # some models emit arguments as a JSON string
