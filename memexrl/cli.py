@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from common.argtypes import non_negative_int, positive_int
+from common.collectives import end_process_group
 from common.errors import MemexError
 from common.malloc import return_freed_memory
 from common.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
@@ -374,10 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         args.func(args)
+        end_process_group()
     except MemexError as exc:
         print(f"memexrl: error: {exc}", file=sys.stderr)
         return 2
     except RunStopped as exc:  # a preemption notice: the resume point is written (common/preemption.py)
+        end_process_group()  # every rank stopped at the same step
         print(f"memexrl: {exc}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     except KeyboardInterrupt:

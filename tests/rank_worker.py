@@ -101,6 +101,8 @@ def stop(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
+    from common.collectives import end_process_group
+
     mode, out = sys.argv[1], Path(sys.argv[2])
     if mode == "lockstep":
         lockstep(out, sys.argv[3:])
@@ -110,3 +112,4 @@ if __name__ == "__main__":
         stop(out)
     else:
         raise SystemExit(f"unknown mode {mode!r}: lockstep, sync or stop")
+    end_process_group()  # as memexrl.cli does: exiting with a live process group can abort (common/collectives.py)
