@@ -123,6 +123,7 @@ class Config:
              f"tasks_per_step x group_size = {self.train.tasks_per_step * self.train.group_size}"),
             (self.train.advantage_norm in ("group", "batch"), "train.advantage_norm must be 'group' or 'batch'"),
             (self.train.tied_groups in ("drop", "resample"), "train.tied_groups must be 'drop' or 'resample'"),
+            (self.train.tied_on in ("return", "task"), "train.tied_on must be 'return' or 'task'"),
             (self.train.loss_agg in ("trajectory", "segment", "token"),
              "train.loss_agg must be 'trajectory', 'segment' or 'token'"),
             (self.train.finetune in ("full", "lora", "qlora"), "train.finetune must be full, lora or qlora"),

@@ -330,6 +330,12 @@ class TrainSection:
         "step); 'resample': the release's dynamic sampling, drawing more tasks until every process has its share "
         "of tasks_per_step groups that do not tie (extra ones are left out), at most max_sample_rounds extra rounds.",
         "drop")
+    tied_on: str = _help(
+        "What must tie for a group to count as tied (tied_groups then drops or resamples it). 'return': the "
+        "whole return R (memex.md). 'task': R_task alone, as MemAgent filters groups by the final answer's score "
+        "(a deviation from the paper): a group that all solved (or all failed) the task is dropped even when "
+        "the penalties make the returns differ, since std normalisation would blow those small differences "
+        "up to full-size advantages (docs/results.md section 3, GRPO on reading, step 1).", "return")
     max_sample_rounds: int = _help("tied_groups=resample: extra rounds of draws per step at most (then train on "
                                    "what there is); the release has no bound.", 4)
     clip_low: float = _help("PPO clip below 1 (release: 0.2).", 0.2)

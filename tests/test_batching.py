@@ -61,6 +61,26 @@ def test_batch_normalisation_switch_counts_segments():
     assert batch_adv == pytest.approx([0.25 / std, -0.75 / std])
 
 
+def test_tied_on_task_drops_groups_that_differ_by_the_penalties_alone():
+    """train.tied_on=task (MemAgent's filter): a group whose R_task ties (all solved) is dropped even though its
+    context penalties make the returns differ; a group whose R_task differs keeps the same advantages as under
+    the default, which drops only exact ties of R (memex.md)."""
+    from training.batching import untied_groups
+
+    trajs = []
+    for task, context in [(1.0, 0.08), (1.0, 0.10), (1.0, 0.11), (0.5, 0.09), (1.0, 0.10), (0.0, 0.05)]:
+        traj = _traj(task - context, [(5, 3)])
+        traj.reward.update(task=task, context=context)
+        trajs.append(traj)
+    groups = [0, 0, 0, 1, 1, 1]
+    by_return, keep_return = advantages_for(trajs, groups, "group", 1e-6)
+    by_task, keep_task = advantages_for(trajs, groups, "group", 1e-6, tied_on="task")
+    assert keep_return == [True] * 6 and max(by_return[:3]) > 0.9  # 0.03 of penalty became a full-size advantage
+    assert keep_task == [False] * 3 + [True] * 3 and by_task[:3] == [0.0] * 3
+    assert by_task[3:] == pytest.approx(by_return[3:])
+    assert untied_groups(trajs, groups) == [0, 1] and untied_groups(trajs, groups, "task") == [1]
+
+
 def test_collate_shifts_and_pads():
     trajs = [_traj(1.0, [(3, 2)]), _traj(0.0, [(2, 4)])]
     adv, keep = advantages_for(trajs, [0, 0], "group", 1e-6)

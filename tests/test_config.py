@@ -39,6 +39,7 @@ def test_overrides_and_round_trip(tmp_path):
         (["rollout.engine=magic"], "rollout.engine"),
         (["expert.reading_archive=everything"], "expert.reading_archive must be 'evidence' or 'pages'"),
         (["expert.reading_query=oracle"], "expert.reading_query must be 'evidence' or 'catalog'"),
+        (["train.tied_on=reward"], "train.tied_on must be 'return' or 'task'"),
         (["memory=3"], "memory must be a mapping"),
         (["nothing"], "section.key=value"),
     ],

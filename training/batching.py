@@ -51,12 +51,17 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None
 
 
+# What must tie for a group to carry no signal (train.tied_on): the whole return R (memex.md) or R_task alone.
+TIE_KEYS = {"return": "total", "task": "task"}
+
+
 def advantages_for(
-    trajs: list[Trajectory], groups: list[int], norm: str, eps: float
+    trajs: list[Trajectory], groups: list[int], norm: str, eps: float, tied_on: str = "return"
 ) -> tuple[list[float], list[bool]]:
     """Per-trajectory advantages and which trajectories are kept (tie groups dropped).
 
-    A crashed trajectory (an env worker, engine or internal fault: `Trajectory.crashed`) is not a
+    tied_on="task" also drops the groups whose R_task ties (every rollout solved, or none), where the returns
+    differ by the penalties alone (train.tied_on). A crashed trajectory (an env worker, engine or internal fault: `Trajectory.crashed`) is not a
     failure of the policy: it is left out of its group (the group's mean and std are over the
     others) and never trained on.
     """
@@ -64,7 +69,8 @@ def advantages_for(
     played = [i for i, t in enumerate(trajs) if not t.crashed]
     adv, keep = torch.zeros_like(rewards), torch.zeros(len(trajs), dtype=torch.bool)
     if played:
-        adv[played], keep[played] = grpo.group_advantages(rewards[played], torch.tensor(groups)[played], eps)
+        scores = torch.tensor([trajs[i].reward[TIE_KEYS[tied_on]] for i in played], dtype=torch.float32)
+        adv[played], keep[played] = grpo.group_advantages(rewards[played], torch.tensor(groups)[played], eps, scores)
     if norm == "batch":
         # The release's fallback: normalise the segment returns of the kept trajectories together.
         seg_traj = [i for i, t in enumerate(trajs) if keep[i] for _ in t.segments]
@@ -75,13 +81,14 @@ def advantages_for(
     return adv.tolist(), keep.tolist()
 
 
-def untied_groups(trajs: list[Trajectory], groups: list[int]) -> list[int]:
-    """The groups (in order of appearance) whose played members' rewards do not all tie: the ones with a signal."""
+def untied_groups(trajs: list[Trajectory], groups: list[int], tied_on: str = "return") -> list[int]:
+    """The groups (in order of appearance) whose played members' rewards (R, or R_task with tied_on="task") do not
+    all tie: the ones with a signal."""
     rewards: dict[int, list[float]] = {}
     for traj, group in zip(trajs, groups):
         members = rewards.setdefault(group, [])
         if not traj.crashed:
-            members.append(traj.reward["total"])
+            members.append(traj.reward[TIE_KEYS[tied_on]])
     return [g for g, r in rewards.items() if len(r) >= 2 and any(x != r[0] for x in r)]
 
 

@@ -248,7 +248,7 @@ class Trainer:
     def prepare_samples(self, trajs, groups, step: int, metrics: dict) -> tuple[list[list], list[float]]:
         """Scored trajectories -> advantages, segments -> per-update SegmentSample lists (with old/ref log-probs)."""
         t = self.cfg.train
-        advantages, keep = advantages_for(trajs, groups, t.advantage_norm, t.adv_eps)
+        advantages, keep = advantages_for(trajs, groups, t.advantage_norm, t.adv_eps, t.tied_on)
         n_groups = len(set(groups))
         metrics["zero_std_group_frac"] = 1.0 - len({g for g, k in zip(groups, keep) if k}) / max(1, n_groups)
         if t.batch_unit == "segments":
@@ -390,14 +390,14 @@ class Trainer:
             draws, drawn = draws + 1, drawn + missing * world
             if t.tied_groups == "drop":
                 break
-            informative = untied_groups(trajs, groups)
+            informative = untied_groups(trajs, groups, t.tied_on)
             missing = int(max_over_processes(acc, max(0, share - len(informative))))
             if not missing or draws > t.max_sample_rounds:
                 break
         metrics["sample_rounds"], metrics["groups_drawn"] = draws, drawn
         metrics.update(rollout_metrics(trajs, acc))  # every played episode; gathered: the same on every process
         if t.tied_groups == "resample":
-            keep = set(untied_groups(trajs, groups)[:share])
+            keep = set(untied_groups(trajs, groups, t.tied_on)[:share])
             kept = [i for i, g in enumerate(groups) if g in keep]
             metrics["groups_dropped_by_sampling"] = len(set(groups)) - len(keep)
             trajs, groups = [trajs[i] for i in kept], [groups[i] for i in kept]
