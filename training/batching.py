@@ -61,9 +61,9 @@ def advantages_for(
     """Per-trajectory advantages and which trajectories are kept (tie groups dropped).
 
     tied_on="task" also drops the groups whose R_task ties (every rollout solved, or none), where the returns
-    differ by the penalties alone (train.tied_on). A crashed trajectory (an env worker, engine or internal fault: `Trajectory.crashed`) is not a
-    failure of the policy: it is left out of its group (the group's mean and std are over the
-    others) and never trained on.
+    differ by the penalties alone (train.tied_on). A crashed trajectory (an env worker, engine or internal
+    fault: `Trajectory.crashed`) is not a failure of the policy: it is left out of its group (the group's
+    mean and std are over the others) and never trained on.
     """
     rewards = torch.tensor([t.reward["total"] for t in trajs], dtype=torch.float32)
     played = [i for i, t in enumerate(trajs) if not t.crashed]
