@@ -69,8 +69,12 @@ def advantages_for(
     played = [i for i, t in enumerate(trajs) if not t.crashed]
     adv, keep = torch.zeros_like(rewards), torch.zeros(len(trajs), dtype=torch.bool)
     if played:
-        scores = torch.tensor([trajs[i].reward[TIE_KEYS[tied_on]] for i in played], dtype=torch.float32)
-        adv[played], keep[played] = grpo.group_advantages(rewards[played], torch.tensor(groups)[played], eps, scores)
+        adv[played], keep[played] = grpo.group_advantages(rewards[played], torch.tensor(groups)[played], eps)
+    if tied_on != "return":  # also drop the groups tied on R_task (group_advantages dropped exact ties of R)
+        untied = set(untied_groups(trajs, groups, tied_on))
+        for i, group in enumerate(groups):
+            if group not in untied:
+                adv[i], keep[i] = 0.0, False
     if norm == "batch":
         # The release's fallback: normalise the segment returns of the kept trajectories together.
         seg_traj = [i for i, t in enumerate(trajs) if keep[i] for _ in t.segments]

@@ -21,7 +21,7 @@ import torch
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float, tie_scores: torch.Tensor | None = None
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO advantages over groups of rollouts of the same task.
 
@@ -29,16 +29,14 @@ def group_advantages(
     Returns (advantages (N,), keep (N,) bool). A = (R - mean_group) / (std_group + eps), with
     the sample standard deviation (Bessel-corrected, as TRL and verl do). Groups whose
     rewards all tie carry no signal (memex.md): their members get A = 0 and keep = False so
-    the trainer drops them. tie_scores: (N,) what must tie for a group to be dropped, if not the
-    rewards themselves (train.tied_on=task passes R_task: MemAgent's filter on the final answer's score).
+    the trainer drops them.
     """
     adv = torch.zeros_like(rewards, dtype=torch.float32)
     keep = torch.zeros_like(rewards, dtype=torch.bool)
-    scores = rewards if tie_scores is None else tie_scores
     for g in torch.unique(group_ids):
         members = group_ids == g
-        r, s = rewards[members].float(), scores[members]
-        if r.numel() < 2 or torch.all(s == s[0]) or torch.all(r == r[0]):
+        r = rewards[members].float()
+        if r.numel() < 2 or torch.all(r == r[0]):
             continue
         adv[members] = (r - r.mean()) / (r.std() + eps)
         keep[members] = True
