@@ -78,9 +78,6 @@ class Config:
             (self.rollout.batch_size > 0, "rollout.batch_size must be > 0"),
             (self.rollout.dtype in ("auto", "float32", "bfloat16", "float16"),
              "rollout.dtype must be auto, float32, bfloat16 or float16"),
-            (self.rollout.dtype in ("auto", self.model.dtype) or self.train.recompute_old_logprobs,
-             f"rollout.dtype={self.rollout.dtype} generates in another precision than model.dtype: keep "
-             "train.recompute_old_logprobs=true (the PPO ratio needs the trainer's own log-probs)"),
             (0 < self.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
             (self.env.step_timeout_s > 0, "env.step_timeout_s must be > 0"),
             (self.train.learning_rate > 0, "train.learning_rate must be > 0"),

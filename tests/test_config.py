@@ -52,3 +52,6 @@ def test_bad_configs_name_the_key(overrides, fragment):
 def test_engine_dtype_follows_the_model_unless_rollout_sets_one():
     assert load_config(None, ["model.dtype=float32"]).engine_dtype == "float32"
     assert load_config(None, ["model.dtype=float32", "rollout.dtype=bfloat16"]).engine_dtype == "bfloat16"
+    # `eval` generates in rollout.dtype and computes no PPO ratio: only `train` asks for recomputed log-probs
+    cfg = load_config("configs/cpu-reading.yaml", ["rollout.dtype=bfloat16"])
+    assert cfg.engine_dtype == "bfloat16" and not cfg.train.recompute_old_logprobs

@@ -209,6 +209,7 @@ def test_qlora_trains_an_adapter_on_a_4bit_base(tiny_eos_model, tmp_path, alfwor
         ({"train.global_batch_size": 3}, "must divide the rollout batch"),
         ({"train.group_size": 1, "train.global_batch_size": 1}, "group_size (G) must be >= 2"),
         ({"train.loss_agg": "sequence"}, "train.loss_agg"),
+        ({"rollout.dtype": "bfloat16", "train.recompute_old_logprobs": False}, "train.recompute_old_logprobs=true"),
     ],
 )
 def test_bad_configs_stop_with_one_line(extra, message, tmp_path, capsys):
