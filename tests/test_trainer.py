@@ -9,6 +9,7 @@ context penalty differs between the G rollouts of a game, which is all GRPO need
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 
@@ -246,7 +247,7 @@ def test_int4_fake_quant_base_under_lora(tiny_eos_model, tmp_path, alfworld_data
 
 
 def test_dynamic_sampling_draws_until_groups_carry_a_signal_or_the_bound(tiny_eos_model, tmp_path, alfworld_data,
-                                                                         monkeypatch):
+                                                                         monkeypatch, caplog):
     """The release's dynamic sampling (train.tied_groups=resample): the never-ending tiny model ties every group,
     so each step draws 1 + max_sample_rounds groups and trains on none; the eos model's first group has a signal,
     from the penalties alone, which train.tied_on=task does not count."""
@@ -263,10 +264,12 @@ def test_dynamic_sampling_draws_until_groups_carry_a_signal_or_the_bound(tiny_eo
     assert record["sample_rounds"] == 1 and record["groups_drawn"] == 1 and record["num_samples"] >= 4
     # that group's signal is the penalties alone (the tiny model solves no game): with train.tied_on=task it ties
     by_task = tmp_path / "by-task"
+    caplog.set_level(logging.INFO, logger="training.trainer")
     assert run(overrides(tiny_eos_model, by_task, **{"train.steps": 1, "train.tied_groups": "resample",
                                                      "train.tied_on": "task", "train.max_sample_rounds": 1})) == 0
     (record,) = [json.loads(x) for x in (by_task / "metrics.jsonl").read_text().splitlines()]
     assert record["success_rate"] == 0.0 and record["sample_rounds"] == 2 and record["num_samples"] == 0
+    assert "step 1, draw 2: 0 of the 2 groups drawn differ in R_task (train.tied_on=task), 1 wanted" in caplog.text
 
 
 def test_segment_batches_count_segments_as_the_release_does(tiny_eos_model, tmp_path, alfworld_data, monkeypatch):

@@ -396,6 +396,10 @@ class Trainer:
                 break
             informative = untied_groups(trajs, groups, t.tied_on)
             missing = int(max_over_processes(acc, max(0, share - len(informative))))
+            if acc.is_main_process:
+                log.info("step %d, draw %d: %d of the %d groups drawn differ in %s (train.tied_on=%s), %d wanted",
+                         step, draws, len(informative), len(set(groups)), "R_task" if t.tied_on == "task" else "R",
+                         t.tied_on, share)
             if not missing or draws > t.max_sample_rounds:
                 break
         metrics["sample_rounds"], metrics["groups_drawn"] = draws, drawn
