@@ -56,6 +56,14 @@ class Config:
         """The dtype rollouts and evaluations generate in: rollout.dtype, or model.dtype when it is auto."""
         return self.model.dtype if self.rollout.dtype == "auto" else self.rollout.dtype
 
+    def check_training(self) -> None:
+        """The checks only `memexrl train` needs (its dry run too), not every command: `eval` generates in
+        rollout.dtype and computes no PPO ratio."""
+        if self.rollout.dtype not in ("auto", self.model.dtype) and not self.train.recompute_old_logprobs:
+            raise MemexError(f"bad config: rollout.dtype={self.rollout.dtype} generates in another precision than "
+                             "model.dtype: set train.recompute_old_logprobs=true (the PPO ratio needs the trainer's "
+                             "own log-probs)")
+
     def __post_init__(self) -> None:
         for message in _number_problems(self):
             raise MemexError(f"bad config: {message}")

@@ -132,6 +132,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from common.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    cfg.check_training()
     if args.dry_run:
         from memexrl.plan import dry_run
 

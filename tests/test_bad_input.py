@@ -6,6 +6,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
+from common.config import load_config
 from common.errors import MemexError
 from common.jsonl import read_jsonl
 from memexrl.cli import main
@@ -39,6 +40,16 @@ def exit_code_and_error(argv, capsys) -> tuple[int, str]:
 def test_bad_numbers_stop_even_a_dry_run(override, fragment, capsys):
     code, err = exit_code_and_error(["train", "--config", "configs/tiny-cpu.yaml", "--dry-run", override], capsys)
     assert code == 2 and f"memexrl: error: bad config: {fragment}" in err
+
+
+def test_a_training_setting_stops_a_dry_run_but_not_eval(capsys):
+    """rollout.dtype apart from model.dtype needs recomputed old log-probs for the PPO ratio: `train` and its dry run
+    stop on it; the same config loads for `eval`, which computes no ratio (common/config.py check_training)."""
+    overrides = ["rollout.dtype=bfloat16", "train.recompute_old_logprobs=false"]
+    code, err = exit_code_and_error(["train", "--config", "configs/tiny-cpu.yaml", "--dry-run", *overrides], capsys)
+    assert code == 2 and "memexrl: error: bad config: rollout.dtype=bfloat16" in err
+    assert "set train.recompute_old_logprobs=true" in err
+    assert load_config("configs/tiny-cpu.yaml", overrides).engine_dtype == "bfloat16"
 
 
 def test_binary_config_and_script_are_one_line_each(alfworld_data, tmp_path, capsys):

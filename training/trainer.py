@@ -160,10 +160,7 @@ class Trainer:
     def __init__(self, cfg: Config, resume: str | None = None, overwrite: bool = False):
         self.cfg = cfg
         t = cfg.train
-        if cfg.rollout.dtype not in ("auto", cfg.model.dtype) and not t.recompute_old_logprobs:
-            # checked here, not in Config: `eval` generates in rollout.dtype and computes no PPO ratio
-            raise MemexError(f"rollout.dtype={cfg.rollout.dtype} generates in another precision than model.dtype: "
-                             "set train.recompute_old_logprobs=true (the PPO ratio needs the trainer's own log-probs)")
+        cfg.check_training()  # `memexrl train` has checked it; a Trainer built in code has not
         self.run_dir = Path(t.output_dir)
         self.accelerator = make_accelerator(cfg)
         self.zero_stage = configure_deepspeed(self.accelerator, t)
