@@ -170,6 +170,32 @@ def test_an_env_action_at_query_time_gets_the_reading_envs_answer_and_the_reads_
     memory.close()
 
 
+@pytest.mark.parametrize("status_indices", ["catalog", "all"])
+def test_a_questions_status_names_its_catalogs_blocks_and_every_block_stays_readable(tmp_path, options,
+                                                                                     status_indices):
+    """`status_indices: catalog` (the default): a question episode's context status and a missed read's error name the
+    blocks its catalog shows, as a training question's do (its archive is that small); `all`: every archived block."""
+    import re
+
+    from memory.catalog import catalog_indices
+
+    reads = [call("ReadExperience", {"db_index": i}) for i in ("nope", "currency", "facts")] + [call("finish", {})]
+    memory = make_memory("memex", options(tmp_path, reads, shortlist=1, status_indices=status_indices))
+    memory.insert(TRAJ)
+    question = "Which settings page has the currency field?"
+    context = memory.query(question)
+    assert sorted(item["value"].split("]")[0] for item in context) == ["[currency", "[facts"]  # both read back
+    (shown,) = catalog_indices(memory.store, question, 1, memory.cfg.memory.catalog_rank_chars)
+    named = shown if status_indices == "catalog" else "currency, facts"
+    (episode,) = [json.loads(line) for line in (tmp_path / "query_episodes.jsonl").read_text().splitlines()]
+    observations = [step["observation"] for step in episode["steps"][:3]]
+    assert [re.search(r"\[Available indices: ([^\]]*)\]", o).group(1) for o in observations] == [named] * 3
+    assert f"no block with index 'nope'. Available indices: {named}\n" in observations[0]
+    memory.close()
+    with pytest.raises(MemexError, match="status_indices must be 'catalog' or 'all'"):
+        make_memory("memex", options(tmp_path / "x", status_indices="some"))
+
+
 class FailingOn(ScriptedEngine):
     """The scripted policy, with an engine fault (a server error, a timeout) on every request of one episode."""
 

@@ -26,7 +26,11 @@ checkpoint can be the controller (a reading-trained one, the ALFWorld GRPO one, 
 vLLM server included, eval.temperature: eval/engine.py), or `extra["engine"]`, an (engine, tokenizer) pair built by the caller. Other settings
 (`--set key=value`): states_per_chunk (2), state_max_chars (2000), max_reads (3), shortlist (12),
 page_end (""), index_names (policy), catalog_goal (false), insert_batch (rollout.batch_size: trajectories read together, one batched engine call per turn),
-workdir. The page format (states_per_chunk, state_max_chars, page_end) defaults to that of the tasks the policy
+status_indices (catalog), workdir. `status_indices: catalog` (ours) names in a question episode's context status (and
+in a missed read's error) only the blocks its catalog shows, while any archived block stays readable; `all` names
+every archived block, as the paper's status does (memex.md "Context status"). A training task's archive is a few
+trajectories' blocks (7 at a question of the GRPO run), all in its catalog; a haystack's is 50-100 (73 in one
+held-out group), which put the status past the threshold after one read (docs/results.md section 3). The page format (states_per_chunk, state_max_chars, page_end) defaults to that of the tasks the policy
 trained on, the first task of the config's `train.reading_tasks` when that file is here (`training_page_format`),
 so a controller pages the haystack as it learned to without `--set`; `--set` wins.
 
@@ -54,7 +58,7 @@ from envs.lme_records import unique_index
 from envs.pool import EnvResult
 from envs.reading import READING_KIND, ReadingEnv, load_reading_task
 from eval.lme.memory.base import Memory, MemoryOptions, register
-from memory.catalog import catalog_text, what_it_holds
+from memory.catalog import catalog_indices, catalog_text, what_it_holds
 from memory.parsing import READ
 from memory.store import BlockWrite, InMemoryStore, SQLiteStore
 from rollout.episode import Episode
@@ -136,6 +140,27 @@ class QueryPager:
         return EnvResult("lme", obs, 0.0, False, False, info)
 
 
+class StatusShowsCatalog:
+    """The archive as a question episode sees it with `status_indices: catalog`: every block readable (and
+    writable), but `indices()`, what the context status and a missed read's error list as available, is the
+    question's catalog shortlist alone."""
+
+    def __init__(self, store: SQLiteStore, shown: list[str]):
+        self.store, self.shown = store, list(shown)
+
+    def indices(self) -> list[str]:
+        return list(self.shown)
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __contains__(self, index: object) -> bool:
+        return index in self.store
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+
 @register
 class MemexMemory(Memory):
     """The trained policy archives trajectories at insert and reads its archive back at query."""
@@ -155,6 +180,9 @@ class MemexMemory(Memory):
         self.index_names = str(x.get("index_names", "policy"))
         if self.index_names not in ("policy", "prefixed"):
             raise MemexError(f"memex: index_names must be 'policy' or 'prefixed', got {self.index_names!r}")
+        self.status_indices = str(x.get("status_indices", "catalog"))
+        if self.status_indices not in ("catalog", "all"):
+            raise MemexError(f"memex: status_indices must be 'catalog' or 'all', got {self.status_indices!r}")
         self.catalog_goal = x.get("catalog_goal", False)
         if not isinstance(self.catalog_goal, bool):
             raise MemexError(f"memex: catalog_goal must be true or false, got {self.catalog_goal!r}")
@@ -264,11 +292,14 @@ class MemexMemory(Memory):
 
     def query(self, question: str, question_image: str | None = None) -> list[dict]:
         self.flush()
-        catalog = catalog_text(self.store, question, self.shortlist, self.cfg.memory.catalog_rank_chars)
+        rank_chars = self.cfg.memory.catalog_rank_chars
+        catalog = catalog_text(self.store, question, self.shortlist, rank_chars)
         pager = QueryPager(question, self.max_reads, self.shortlist)
         first = EnvResult("lme", pager.question + "\n" + catalog, 0.0, False, False,
                           {"goal": question, "task": {"kind": READING_TASK}})
-        episode = self._episode(self.store, self.max_reads + 2, first, "query")
+        store = self.store if self.status_indices == "all" else \
+            StatusShowsCatalog(self.store, catalog_indices(self.store, question, self.shortlist, rank_chars))
+        episode = self._episode(store, self.max_reads + 2, first, "query")
         engine, _ = self._engine_and_renderer()
         read: list[str] = []  # (one question at a time: the latency of query() is its own)
         while not episode.done and len(read) < self.max_reads:
