@@ -8,6 +8,7 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402
 
+from eval.lme.memory.rag import RagMemory  # noqa: E402
 from eval.lme.metrics import AGGREGATED_FILE, PER_QUESTION_FIELDS, PER_QUESTION_FILE  # noqa: E402
 from eval.lme.reader import ContextCounter, truncate_items  # noqa: E402
 from eval.lme.synth import write_synthetic  # noqa: E402
@@ -47,7 +48,7 @@ def test_a_text_only_reader_counts_an_image_as_the_placeholder_it_is_given(smol_
 
 
 @pytest.mark.slow
-def test_eval_lme_runs_scores_and_resumes(dataset, tmp_path, capsys):
+def test_eval_lme_runs_scores_and_resumes(dataset, tmp_path, capsys, monkeypatch):
     out = tmp_path / "rag"
     args = ["eval", "lme", "--data", str(dataset), "--haystack", "small", "--memory", "rag", "--judge", "local",
             "--questions", "3", "--local-max-new-tokens", "24", "--out", str(out), "--api-key", "sk-never-written",
@@ -76,10 +77,15 @@ def test_eval_lme_runs_scores_and_resumes(dataset, tmp_path, capsys):
     assert aggregated["evidence_recall"] <= aggregated["evidence_string_recall"] == pytest.approx(
         sum(r["evidence_share"] for r in rows) / len(rows))
     assert sorted(p.parent.name for p in (out / "memory_state").glob("*/DONE")) == ["group000-web", "group001-enterprise"]
-    # Interrupted in the middle of writing the third row: a rerun answers it again and keeps the others.
+    # Interrupted in the middle of writing the third row: a rerun answers it again and keeps the others. It loads the
+    # saved memory, whose model starts in warm_up, before the question it times.
     lines = (out / PER_QUESTION_FILE).read_text().splitlines()
     (out / PER_QUESTION_FILE).write_text("\n".join(lines[:2]) + "\n" + lines[2][:40])
+    calls = []
+    monkeypatch.setattr(RagMemory, "warm_up", lambda self, f=RagMemory.warm_up: calls.append("warm_up") or f(self))
+    monkeypatch.setattr(RagMemory, "query", lambda self, *a, f=RagMemory.query: calls.append("query") or f(self, *a))
     assert main(args) == 0
+    assert calls == ["warm_up", "query"]
     again = rows_of(out)
     assert [r["question_id"] for r in again] == [r["question_id"] for r in rows]
     assert again[:2] == rows[:2]

@@ -12,7 +12,7 @@ from common.config import load_config  # noqa: E402
 from common.errors import MemexError  # noqa: E402
 from envs.reading import LAST_PAGE_NOTE  # noqa: E402
 from eval.lme.memory.base import MemoryOptions, load_memory, make_memory  # noqa: E402
-from eval.lme.memory.memex import READ_DONE, STORE_FILE, InsertPager, insert_task  # noqa: E402
+from eval.lme.memory.memex import QUERY_EPISODES_FILE, READ_DONE, STORE_FILE, InsertPager, insert_task  # noqa: E402
 from memory.parsing import render_tool_call as call  # noqa: E402
 from rollout.scripted import ScriptedEngine  # noqa: E402
 
@@ -86,10 +86,15 @@ def test_what_the_policy_archives_is_the_context_and_survives_a_restart(options,
     memory.save(tmp_path / "saved")
     memory.close()
     # Reopen from the saved directory (a new process would do the same): same store, same context.
-    again = load_memory("memex", tmp_path / "saved", options(tmp_path / "unused"))
+    again = load_memory("memex", tmp_path / "saved", options(tmp_path / "elsewhere"))
     assert again.inserted() == ["traj-42"]
+    again.warm_up()
+    assert again._engine is not None  # started before the first query, which the harness times
     assert again.query("What currency does the ShopNova store use?") == first
     again.close()
+    # the saved directory keeps the memory alone: a loaded memory logs its questions in its own workdir
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == [STORE_FILE]
+    assert len((tmp_path / "elsewhere" / QUERY_EPISODES_FILE).read_text().splitlines()) == 1
 
 
 def test_a_missing_saved_memory_is_one_clear_error(options, tmp_path):

@@ -5,7 +5,8 @@ For one haystack tier (`small`, `medium` or a JSON file) and one memory module:
 1. the memory: the questions that share the same ordered haystack share ONE memory that gets
    every trajectory `insert`ed in order (one per domain in the real data, whose haystacks hold
    only the question's domain; one per question at worst), saved to `OUT/memory_state/<group>/`
-   and loaded from there by a rerun: a haystack is inserted once;
+   and loaded from there by a rerun: a haystack is inserted once; then `warm_up()` (a model, an engine
+   started), so that no question's latency holds a start-up;
 2. per question: `query(question, image)` timed alone (`memory_query_duration_seconds`, the
    LAFS latency), the items checked against the API, cut to the reader's budget by whole items,
    the reader's reply, the last `\\boxed{}`, the score (eval/lme/scoring.py; the judge for the
@@ -182,6 +183,7 @@ def run_lme_eval(run: LMERun) -> dict:
             options = replace(run.options, extra={**run.options.extra, "workdir": str(run.out / "work" / key)})
             memory = build_memory(replace(run, options=options), data, ids, run.out / MEMORY_STATE / key)
             try:
+                memory.warm_up()  # a loaded memory's model starts here, not in its first timed query
                 for q in tqdm(todo, desc=f"questions ({run.memory}, {key})", unit="q"):
                     rows[q.id] = answer_question(run, memory, q, index[q.id], ids)
                     share = evidence_share(rows[q.id], planted.get(q.id, []))

@@ -123,6 +123,12 @@ class Memory(ABC):
         `query` and `save` call it too."""
         return None
 
+    def warm_up(self) -> None:
+        """Load what `query` needs (a model, an engine, a server) before the first timed query: the harness calls it
+        after the memory is built or loaded, so that a loaded memory's first query latency is not its model's
+        start-up (nothing by default)."""
+        return None
+
     def close(self) -> None:
         """Release clients and models (nothing by default)."""
         return None

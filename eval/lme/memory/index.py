@@ -147,6 +147,10 @@ class PooledMemory(Memory):
         self.trajectories: dict[str, dict] = {}
         self.ids: list[str] = []
 
+    def warm_up(self) -> None:
+        """The embedding model loaded (or the endpoint reached) before the first timed query."""
+        self.embedder.queries(["warm-up"])
+
     def add_trajectory(self, trajectory: dict) -> dict:
         """The stored form of a new trajectory (kept when `keeps_trajectories`); a repeated id is an error."""
         traj = simplify(trajectory)

@@ -35,7 +35,9 @@ trained on, the first task of the config's `train.reading_tasks` when that file 
 so a controller pages the haystack as it learned to without `--set`; `--set` wins.
 
 Save/load: the SQLite file is the memory; `save` copies it (sqlite backup API) and `load`
-reopens it, so insert -> close -> reopen -> query gives the same context (greedy decoding).
+reopens it, so insert -> close -> reopen -> query gives the same context (greedy decoding). A loaded memory writes
+its work files (the question episodes' log, a managed server's merged checkpoint) to `workdir`, not into the saved
+directory, and `warm_up` starts its engine before the first timed query.
 """
 
 from __future__ import annotations
@@ -186,10 +188,13 @@ class MemexMemory(Memory):
         self.catalog_goal = x.get("catalog_goal", False)
         if not isinstance(self.catalog_goal, bool):
             raise MemexError(f"memex: catalog_goal must be true or false, got {self.catalog_goal!r}")
-        self.dir = Path(store_dir or x.get("workdir") or "runs/lme-memex")
+        # the work files (episode logs, a managed server's merged checkpoint and log) go to the workdir, also for a
+        # memory loaded from a saved directory, which keeps the store alone
+        self.dir = Path(x.get("workdir") or store_dir or "runs/lme-memex")
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.store = SQLiteStore(self.dir / STORE_FILE, BLOCKS)
-        self.meta = SQLiteStore(self.dir / STORE_FILE, META)
+        self.store_path = Path(store_dir or self.dir) / STORE_FILE
+        self.store = SQLiteStore(self.store_path, BLOCKS)
+        self.meta = SQLiteStore(self.store_path, META)
         self._engine = None
         self._resources = contextlib.ExitStack()  # a managed vLLM server (rollout.vllm_server_url=managed) until close
         self._pending: list[dict] = []  # inserted, not read yet (flush reads them in one batch)
@@ -242,6 +247,10 @@ class MemexMemory(Memory):
         return episode
 
     # --- Memory API ---------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """The policy's engine (a managed vLLM server: minutes on a CPU) started before the first timed query."""
+        self._engine_and_renderer()
+
     def inserted(self) -> list[str]:
         block = self.meta.read("inserted")
         return json.loads(block.content) if block else []
@@ -328,9 +337,9 @@ class MemexMemory(Memory):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         target = directory / STORE_FILE
-        if target.resolve() == (self.dir / STORE_FILE).resolve():
+        if target.resolve() == self.store_path.resolve():
             return
-        with sqlite3.connect(self.dir / STORE_FILE) as src, sqlite3.connect(target) as dst:
+        with sqlite3.connect(self.store_path) as src, sqlite3.connect(target) as dst:
             src.backup(dst)
 
     @classmethod
