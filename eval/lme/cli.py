@@ -156,7 +156,8 @@ def add_lme_commands(sub, eval_sub) -> None:
     laf.add_argument("--tier", choices=["small", "medium"], default=None)
     laf.add_argument("--point", action="append", help="ACC_PERCENT,LATENCY_S (repeatable)")
     laf.set_defaults(func=cmd_lme_lafs)
-    cat = lme_sub.add_parser("catalog-recall", help="evidence the memex catalog's first k blocks and the controller's reads reach (no model)")
+    cat = lme_sub.add_parser("catalog-recall", help="evidence the memex catalog's first k blocks and the "
+                             "controller's own reads reach (no model)")
     cat.add_argument("--data", required=True, help="a `memexrl lme synth` set (its synth_evidence.json is needed)")
     cat.add_argument("--haystack", default="small", help="small, medium or a haystack JSON file")
     cat.add_argument("--archive", default=None, help="an `eval lme --memory memex` output directory")

@@ -30,9 +30,10 @@ status_indices (catalog), workdir. `status_indices: catalog` (ours) names in a q
 in a missed read's error) only the blocks its catalog shows, while any archived block stays readable; `all` names
 every archived block, as the paper's status does (memex.md "Context status"). A training task's archive is a few
 trajectories' blocks (7 at a question of the GRPO run), all in its catalog; a haystack's is 50-100 (73 in one
-held-out group), which put the status past the threshold after one read (docs/results.md section 3). The page format (states_per_chunk, state_max_chars, page_end) defaults to that of the tasks the policy
-trained on, the first task of the config's `train.reading_tasks` when that file is here (`training_page_format`),
-so a controller pages the haystack as it learned to without `--set`; `--set` wins.
+held-out group), which put the status past the threshold after one read (docs/results.md section 3).
+The page format (states_per_chunk, state_max_chars, page_end) defaults to that of the tasks the policy trained on,
+the first task of the config's `train.reading_tasks` when that file is here (`training_page_format`), so a
+controller pages the haystack as it learned to without `--set`; `--set` wins.
 
 Save/load: the SQLite file is the memory; `save` copies it (sqlite backup API) and `load`
 reopens it, so insert -> close -> reopen -> query gives the same context (greedy decoding). A loaded memory writes
