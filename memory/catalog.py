@@ -35,11 +35,15 @@ def what_it_holds(index: str, description: str) -> str:
     return text or "archived block"
 
 
-def catalog_text(store: ExperienceStore, query: str, shortlist: int, rank_chars: int = SUGGEST_CONTENT_CHARS) -> str:
-    """The catalog as the agent reads it: a header line, then one `- index: description` line a block."""
-    shown = catalog_indices(store, query, shortlist, rank_chars)
+def render_catalog(store: ExperienceStore, shown: list[str]) -> str:
+    """The catalog as the agent reads it: a header line, then one `- index: description` line for each of `shown`."""
     lines = [f"- {i}: {what_it_holds(i, store.read(i).description)}" for i in shown]
     return CATALOG_HEADER + "\n" + ("\n".join(lines) or EMPTY_CATALOG)
+
+
+def catalog_text(store: ExperienceStore, query: str, shortlist: int, rank_chars: int = SUGGEST_CONTENT_CHARS) -> str:
+    """The catalog of `query`: its `catalog_indices`, rendered."""
+    return render_catalog(store, catalog_indices(store, query, shortlist, rank_chars))
 
 
 def shown_indices(text: str) -> list[str]:

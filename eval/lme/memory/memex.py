@@ -61,7 +61,7 @@ from envs.lme_records import unique_index
 from envs.pool import EnvResult
 from envs.reading import READING_KIND, ReadingEnv, load_reading_task
 from eval.lme.memory.base import Memory, MemoryOptions, register
-from memory.catalog import catalog_indices, catalog_text, what_it_holds
+from memory.catalog import catalog_indices, render_catalog, what_it_holds
 from memory.parsing import READ
 from memory.store import BlockWrite, InMemoryStore, SQLiteStore
 from rollout.episode import Episode
@@ -302,13 +302,11 @@ class MemexMemory(Memory):
 
     def query(self, question: str, question_image: str | None = None) -> list[dict]:
         self.flush()
-        rank_chars = self.cfg.memory.catalog_rank_chars
-        catalog = catalog_text(self.store, question, self.shortlist, rank_chars)
+        shown = catalog_indices(self.store, question, self.shortlist, self.cfg.memory.catalog_rank_chars)
         pager = QueryPager(question, self.max_reads, self.shortlist)
-        first = EnvResult("lme", pager.question + "\n" + catalog, 0.0, False, False,
+        first = EnvResult("lme", pager.question + "\n" + render_catalog(self.store, shown), 0.0, False, False,
                           {"goal": question, "task": {"kind": READING_TASK}})
-        store = self.store if self.status_indices == "all" else \
-            StatusShowsCatalog(self.store, catalog_indices(self.store, question, self.shortlist, rank_chars))
+        store = self.store if self.status_indices == "all" else StatusShowsCatalog(self.store, shown)
         episode = self._episode(store, self.max_reads + 2, first, "query")
         engine, _ = self._engine_and_renderer()
         read: list[str] = []  # (one question at a time: the latency of query() is its own)
