@@ -67,13 +67,12 @@ def first_k(store: ExperienceStore, question: str, strings: list[str], ks: list[
             whole: str, read: list[str] | None = None, asked: bool = True) -> dict:
     """{k: (all strings found, share found, characters)} for the catalog's first k blocks; "archive": `whole`, the
     whole store's text; with `read` (the controller's reads), "reads": the same of those blocks and "miss": where
-    the evidence was lost (one of MISSES; None when every string was read); `read` None with `asked` False: the
-    question has no query episode (the evaluation stopped before it), so it reads nothing, a "never asked" miss."""
+    the evidence was lost (one of MISSES; None when every string was read); `asked` False: the question has no
+    query episode (the evaluation stopped before it), so `read` is empty, a "never asked" miss."""
     ranked = catalog_indices(store, question, max(ks), rank_chars)
     out: dict = {k: found_in("\n".join(store.read(i).content for i in ranked[:k]), strings) for k in ks}
     out["archive"] = found_in(whole, strings)
-    if read is not None or not asked:
-        read = read or []
+    if read is not None:
         blocks = [store.read(i) for i in read]
         out["reads"] = found_in("\n".join(b.content for b in blocks if b is not None), strings)
         out["distinct_reads"] = len(read)
@@ -126,9 +125,9 @@ def catalog_recall(data_root: str | Path, haystack: str, archive: str | Path | N
         whole = "\n".join(store.read(i).content for i in store.indices())  # once a group, not once a question
         for q in questions:
             if strings.get(q.id):
-                read = reads[q.question].pop(0) if reads and reads.get(q.question) else None
-                rows.append(first_k(store, q.question, strings[q.id], ks, rank_chars, whole, read,
-                                    asked=reads is None or read is not None))
+                asked = reads is not None and bool(reads.get(q.question))
+                read = None if reads is None else reads[q.question].pop(0) if asked else []
+                rows.append(first_k(store, q.question, strings[q.id], ks, rank_chars, whole, read, asked))
         store.close()
     if not rows:
         raise MemexError(f"no question of {haystack!r} has an archive under {archive}/memory_state "
