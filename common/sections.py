@@ -98,6 +98,14 @@ class RewardConfig:
     lambda_ctx: float = _help("Weight of P_context (memex.md: 1).", 1.0)
     lambda_red: float = _help("Weight of P_redundancy (release: 0.05).", 0.05)
     lambda_fmt: float = _help("Weight of P_format (memex.md: 1).", 1.0)
+    charge_question_phase: bool = _help(
+        "Whether P_context charges a reading episode's question phase: the question step and what follows it (at "
+        "most the task's max_reads ReadExperience calls, then finish; envs/reading.py). true: memex.md's P_context, "
+        "over every step but compressions. false (ours, a deviation): those steps are left out of the sum as "
+        "compression steps are (the denominator still counts them), so reading every block the budget allows costs "
+        "nothing; with true, each read adds a page to a context already past T, and where the first reads hold the "
+        "answer GRPO prefers stopping early (docs/results.md section 3, \"After GRPO\"). No effect on ALFWorld.",
+        True)
 
 
 @dataclass

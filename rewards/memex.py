@@ -22,19 +22,27 @@ def task_reward(success: bool) -> float:
 
 
 def context_penalty(
-    working_tokens: Sequence[int], compressed: Sequence[bool], threshold: int, weight: float
+    working_tokens: Sequence[int], skipped: Sequence[bool], threshold: int, weight: float
 ) -> float:
     """P_context = w * min(1, sum_t max(0, C_t - T) / (T * steps)).
 
-    C_t is the working context after step t; steps in which a compression happened are left
-    out of the sum (their C_t is the fresh summary, the overflow was paid before). The
+    C_t is the working context after step t; `skipped` steps are left out of the sum: those in which a
+    compression happened (their C_t is the fresh summary, the overflow was paid before) and, with
+    `reward.charge_question_phase` false, a reading episode's question phase (`uncharged_steps`). The
     denominator counts all steps, as the paper's formula does.
     """
     steps = len(working_tokens)
     if steps == 0:
         return 0.0
-    excess = sum(max(0, c - threshold) for c, comp in zip(working_tokens, compressed) if not comp)
+    excess = sum(max(0, c - threshold) for c, skip in zip(working_tokens, skipped) if not skip)
     return weight * min(1.0, excess / (threshold * steps))
+
+
+def uncharged_steps(traj: Trajectory, charge_question_phase: bool = True) -> list[bool]:
+    """The steps P_context leaves out: compressions, and with `charge_question_phase` false (a deviation,
+    RewardConfig) a reading episode's question step and every step after it."""
+    asked = traj.task.get("question_step") if traj.reading and not charge_question_phase else None
+    return [s.compressed or (asked is not None and n >= asked) for n, s in enumerate(traj.steps)]
 
 
 def mark_redundant(steps: Sequence[Step]) -> list[bool]:
@@ -96,9 +104,8 @@ def score_trajectory(traj: Trajectory, threshold: int, weights: RewardConfig) ->
         task = task_reward(traj.success)
     reward = {
         "task": task,
-        "context": context_penalty(
-            [s.working_tokens for s in traj.steps], [s.compressed for s in traj.steps], threshold, weights.lambda_ctx
-        ),
+        "context": context_penalty([s.working_tokens for s in traj.steps],
+                                   uncharged_steps(traj, weights.charge_question_phase), threshold, weights.lambda_ctx),
         "redundancy": redundancy_penalty(traj.steps, weights.lambda_red),
         "format": format_penalty(traj.steps, weights.lambda_fmt),
     }
