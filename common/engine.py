@@ -55,6 +55,10 @@ class GenerationRequest:
 class Engine(abc.ABC):
     """Generates one assistant turn for each request, in request order."""
 
+    # True where `generate` may be called from several threads at once (a vLLM server): the runner then sends each
+    # episode's turn on its own as soon as the episode is ready (rollout/runner.py, rollout.lockstep_turns).
+    concurrent: bool = False
+
     @abc.abstractmethod
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]: ...
 
@@ -76,3 +80,9 @@ class Engine(abc.ABC):
     def sync_weights(self, model: object = None) -> None:
         """Receive the trained policy's weights (no-op for engines sharing the module)."""
         return None
+
+    def counters(self) -> dict[str, float]:
+        """Running totals of the engine's work, for the trainer's per-step metrics and `memexrl bench step`:
+        generated_tokens, and where the engine knows them prompt_tokens (prefilled), cached_prompt_tokens (found in
+        a prefix cache instead) and engine_steps (forward passes)."""
+        return {"generated_tokens": float(getattr(self, "generated_tokens", 0))}

@@ -151,6 +151,12 @@ class RolloutConfig:
         "scheduler (VLLM_CPU_NUM_OF_RESERVED_CPU). -1: vLLM's default (one core); 0: compute on every core, which "
         "pays on a machine with few cores (2 cores: 1.46x the rollouts' speed, `memexrl bench rollout`, docs/benchmarks.md).", -1)
     vllm_gpu_memory_utilization: float = _help("Share of GPU memory the colocated vLLM may take.", 0.35)
+    lockstep_turns: bool = _help(
+        "True: the episodes in flight advance a round at a time, each round one engine call that waits for its "
+        "longest reply (what the transformers engine and a colocated vLLM always do). False: with an engine that "
+        "takes concurrent requests (a vLLM server), each episode sends its next turn as soon as its own observation "
+        "is back, so the server's continuous batching stays full; the same tokens (each turn's sampling seed is its "
+        "episode's and turn's: rollout/vllm.py), `memexrl bench step` measures the time.", False)
 
 
 @dataclass
@@ -322,6 +328,13 @@ class TrainSection:
         "(they agree to ~1e-5), one forward pass cheaper.",
         True,
     )
+    old_logprobs_from_update: bool = _help(
+        "With recompute_old_logprobs: the step's first minibatch takes its old log-probs from the update's own "
+        "forward (detached), since no optimizer step has changed the weights since the rollouts; only later "
+        "minibatches get a separate pass (verl's on-policy shortcut). One forward pass fewer per trained token when a "
+        "step makes one optimizer step. The ratio of that minibatch is then exactly 1 (LoRA dropout included), where "
+        "the separate pass in eval mode gave 1 up to the dropout's noise. False: the separate pass for every "
+        "minibatch.", True)
     advantage_norm: str = _help(
         "'group': (R - mean_group) / (std_group + eps) over the G rollouts of a game (paper); 'batch': "
         "over all segments of the step (the release's slime fallback).",
@@ -381,6 +394,11 @@ class TrainSection:
         "DeepSpeed ZeRO-3 always runs it so).",
         512,
     )
+    head_trained_only: bool = _help(
+        "With head_chunk_size > 0: the output layer + log-softmax only at the positions the loss trains (the policy's "
+        "own tokens), not at the observations between them, in the update and the old/ref passes; the trained "
+        "positions' log-probs are the same (batching.sequence_logprobs). False: every position from the first "
+        "trained one.", True)
     fake_quant_group_size: int = _help(
         "INT4 fake-quant of the base weights in the trainer's forward (memex.md: INT4 rollouts, QAT "
         "training; straight-through gradients), same RTN group-128 scheme as `memexrl quantize`; 0: off.",

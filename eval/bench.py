@@ -1,4 +1,4 @@
-"""`memexrl bench env|store|rollout|trainer|sft|update|sync`: benchmarks that print ratios measured side by side in one run.
+"""`memexrl bench env|store|rollout|trainer|sft|update|sync|step`: benchmarks that print ratios measured side by side in one run.
 
 - env: env steps/s through the worker pool with 1 and 2 worker processes, then the share of
   rollout time spent outside the model with SmolLM2 playing real games;
@@ -8,7 +8,9 @@
 - trainer: trained tokens/s of our GRPO update path vs TRL's GRPOTrainer on the same work;
 - sft: one SFT step in float32 vs bfloat16 autocast (sft.bf16), on this CPU (eval/bench_sft.py);
 - update: the GRPO update's peak memory with and without its memory measures (eval/bench_update.py);
-- sync: the full-weight INT4 sync to vLLM, a whole host copy vs streamed (eval/bench_sync.py).
+- sync: the full-weight INT4 sync to vLLM, a whole host copy vs streamed (eval/bench_sync.py);
+- step: one real GRPO step of a config, phase by phase against this machine's ceilings, beside the same step with the
+  settings before the speed levers (eval/bench_step.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,26 @@ ROLLOUT_BENCH_OVERRIDES = [
 ]
 
 
+def _step(args: argparse.Namespace) -> str:
+    from pathlib import Path
+
+    from common.errors import MemexError
+    from eval.bench_step import bench_step, check_baseline, format_bench_step
+
+    if not args.config:
+        raise MemexError("bench step needs --config CONFIG: the run whose step it measures (configs/cpu-reading.yaml, "
+                         "configs/cpu-memory.yaml, ...)")
+    overrides = list(getattr(args, "overrides", None) or [])
+    baseline = check_baseline(args.baseline)
+    cfg = load_config(args.config, overrides)
+    cfg.check_training()
+    before = None
+    if baseline is not None:
+        before = load_config(args.config, overrides + baseline)
+        before.check_training()
+    return format_bench_step(bench_step(cfg, before, Path(args.out), baseline))
+
+
 def _policy(cfg):
     import torch
 
@@ -34,6 +56,8 @@ def _policy(cfg):
 
 
 def run(what: str, args: argparse.Namespace) -> str:
+    if what == "step":
+        return _step(args)
     if what == "store":
         from eval.bench_store import bench_store, format_bench_store
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from common.config import Config
+from eval.ceilings import matmul_flops
 from rollout.hf_engine import TransformersEngine
 from rollout.runner import RolloutTimes, make_renderer, open_envs, run_episodes
 
@@ -82,18 +83,6 @@ def kv_cache_speedup(games: list[Path], cfg: Config, model, tokenizer) -> dict:
     out["buffer_speedup"] = runs["cat_cache"]["times"].engine_s / runs["kv_cache"]["times"].engine_s
     out["identical_tokens"] = same
     return out
-
-
-def matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 1.0) -> float:
-    """FLOP/s of (n x n) linear layers in `dtype` on this CPU, timed for about `seconds`: the roofline. Timed
-    through F.linear, the kernel the model's layers use (on an AVX2 CPU a bf16 `a @ b` takes a 10x slower path)."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    torch.nn.functional.linear(a, b)  # warm-up
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        torch.nn.functional.linear(a, b)
-        count += 1
-    return 2 * n**3 * count / (time.perf_counter() - start)
 
 
 def _vllm_server_run(games: list[Path], cfg: Config, model, tokenizer, python: str, dtype: str = "float32",

@@ -312,14 +312,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_lme_commands(sub, eva_sub)
 
     ben = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
-    ben.add_argument("what", choices=["env", "store", "rollout", "trainer", "sft", "update", "sync"], help="what to measure")
+    ben.add_argument("what", choices=["env", "store", "rollout", "trainer", "sft", "update", "sync", "step"],
+                     help="what to measure")
     ben.add_argument("--split", default="valid_seen", help="games for env/rollout benches")
     ben.add_argument("--vllm-python", default="", metavar="PYTHON",
                      help="bench rollout: also roll out through a vllm serve from this Python (.venv-vllm/bin/python)")
     ben.add_argument("--games", type=positive_int, default=4, help="games for env/rollout benches")
     ben.add_argument("--steps", type=positive_int, default=200, help="env steps per worker count (bench env)")
     ben.add_argument("--blocks", type=positive_int, default=2000, help="blocks written (bench store)")
-    ben.add_argument("--config", default=None, help="YAML config (bench rollout; trainer, sft, update: configs/tiny-cpu.yaml)")
+    ben.add_argument("--config", default=None, help="YAML config (bench rollout, step; trainer, sft, update: "
+                                                    "configs/tiny-cpu.yaml)")
+    ben.add_argument("--baseline", default="default", metavar="SETTINGS",
+                     help="bench step: the 'before' step's overrides: default (the settings before the speed levers), "
+                          "none (no before step) or section.key=value,...")
+    ben.add_argument("--out", default="runs/bench-step", help="bench step: the run directories of its steps and "
+                                                              "bench-step.json")
     ben.add_argument("--runs", type=positive_int, default=3, help="timed runs of each side (bench trainer, sft)")
     ben.add_argument("--bench-steps", type=positive_int, default=2, help="GRPO steps per run (bench trainer, update)")
     ben.add_argument("--prompts", type=positive_int, default=2, help="prompts per step (bench trainer)")
@@ -330,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--sync-layers", type=positive_int, default=4, help="decoder layers of the synced model (bench sync)")
     ben.add_argument("--sync-experts", type=positive_int, default=16, help="experts per layer of the synced model (bench sync)")
     ben.add_argument("--sync-bucket-mib", type=positive_int, default=16, help="bucket size in MiB (bench sync)")
-    ben.add_argument("overrides", nargs="*", help="config overrides, section.key=value (bench trainer, update)")
+    ben.add_argument("overrides", nargs="*", help="config overrides, section.key=value (bench trainer, update, step)")
     ben.set_defaults(func=cmd_bench)
 
     plo = sub.add_parser("plot", help="PNG curves of a run's metrics.jsonl, written to RUN_DIR/plots/")

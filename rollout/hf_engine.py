@@ -107,6 +107,7 @@ class TransformersEngine(Engine):
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.prefill_tokens = 0  # tokens actually run through the model as prompt (for benches)
         self.generated_tokens = 0
+        self.engine_steps = 0  # forward passes (a prefill, then one per generated position of the batch)
 
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
@@ -124,6 +125,10 @@ class TransformersEngine(Engine):
 
     def release(self, episode_id: str) -> None:
         self._cache.pop(episode_id, None)
+
+    def counters(self) -> dict[str, float]:
+        return {"generated_tokens": float(self.generated_tokens), "prompt_tokens": float(self.prefill_tokens),
+                "engine_steps": float(self.engine_steps)}
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         """Completions in the order of `requests`; batches hold prompts of similar length (less padding)."""
@@ -189,6 +194,7 @@ class TransformersEngine(Engine):
                 logits_to_keep=1,
                 **{self._cache_arg: past},
             )
+            self.engine_steps += 1
             past = result["cache"] if "cache" in result else result["past_key_values"]
             logits = result.logits[:, -1, :].float()  # (B, V)
             tokens = sample_next(logits, self.temperature, self.top_p, self.top_k, self.generator)

@@ -128,6 +128,99 @@ def generate_each(engine: Engine, requests: list[GenerationRequest]) -> list[Com
     return out
 
 
+def take_reply(ep: Episode, completion: Completion | str) -> str | None:
+    """Hand one engine answer to its episode; the env action it asks for, if any. A failed generation (a str) or an
+    internal error on the reply ends that episode alone (`Episode.crash`)."""
+    if isinstance(completion, str):
+        ep.crash(completion)
+        return None
+    try:
+        return ep.on_completion(completion)
+    except Exception as exc:  # a bug of ours, reached by this reply: lose the episode, not the run
+        log.exception("episode %s: internal error on a reply", ep.id)
+        ep.crash(f"internal error on the reply: {type(exc).__name__}: {exc}")
+        return None
+
+
+def _request(ep: Episode) -> GenerationRequest:
+    return GenerationRequest(ep.id, ep.request_ids(), ep.max_new_tokens(), ep)
+
+
+def _play_in_rounds(live: list[Episode], episodes: dict[str, Episode], engine: Engine, envs: Envs,
+                    times: RolloutTimes, bar, release: Callable[[list[Episode]], None]) -> None:
+    """rollout.lockstep_turns (and every engine that batches whole calls): each round one engine call for every live
+    episode, then their env actions stepped together; a round waits for its longest reply."""
+    turn = 0
+    while live:
+        turn += 1
+        bar.set_postfix(turn=turn, playing=len(live), refresh=True)  # a long turn still shows progress
+        t0 = time.perf_counter()
+        requests = [_request(ep) for ep in live]
+        t1 = time.perf_counter()
+        completions = generate_each(engine, requests)
+        t2 = time.perf_counter()
+        actions = []
+        for ep, completion in zip(live, completions):
+            action = take_reply(ep, completion)
+            if action is not None:
+                actions.append((ep.id, action))
+        t3 = time.perf_counter()
+        answers = envs.step_many(actions) if actions else []
+        t4 = time.perf_counter()
+        for answer in answers:
+            episodes[answer.episode_id].on_env_result(answer)
+        t5 = time.perf_counter()
+        times.engine_s += t2 - t1
+        times.env_s += t4 - t3
+        times.agent_s += (t1 - t0) + (t3 - t2) + (t5 - t4)
+        times.turns += len(live)
+        release([ep for ep in live if ep.done])
+        live = [ep for ep in live if not ep.done]
+
+
+def _play_unpaced(live: list[Episode], engine: Engine, envs: Envs, times: RolloutTimes, bar,
+                  release: Callable[[list[Episode]], None]) -> None:
+    """An engine that takes concurrent requests (a vLLM server): every episode's turn is sent on its own, from a
+    thread of its own, as soon as the episode is ready, so no episode waits for another's reply and the server
+    batches whatever is in flight. Replies, memory tools, env steps and stores are handled here, in the calling
+    thread, one reply at a time (SQLite connections and the env pool stay on this thread)."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    inflight: dict = {}
+    with ThreadPoolExecutor(max_workers=max(1, len(live)), thread_name_prefix="turn") as pool:
+
+        def send(ep: Episode) -> None:
+            t0 = time.perf_counter()
+            request = _request(ep)
+            times.agent_s += time.perf_counter() - t0
+            inflight[pool.submit(generate_each, engine, [request])] = ep
+
+        for ep in live:
+            send(ep)
+        while inflight:
+            bar.set_postfix(turns=times.turns, playing=len(inflight), refresh=False)
+            t0 = time.perf_counter()
+            ready, _ = wait(list(inflight), return_when=FIRST_COMPLETED)
+            times.engine_s += time.perf_counter() - t0  # waiting for the engine, with nothing else to do
+            for future in ready:
+                ep = inflight.pop(future)
+                t1 = time.perf_counter()
+                action = take_reply(ep, future.result()[0])
+                env_s = 0.0
+                if action is not None:
+                    t2 = time.perf_counter()
+                    (answer,) = envs.step_many([(ep.id, action)])
+                    env_s = time.perf_counter() - t2
+                    ep.on_env_result(answer)
+                times.env_s += env_s
+                times.agent_s += time.perf_counter() - t1 - env_s
+                times.turns += 1
+                if ep.done:
+                    release([ep])
+                else:
+                    send(ep)
+
+
 def run_episodes(
     jobs: list[tuple[str, str]],
     engine: Engine,
@@ -165,39 +258,9 @@ def run_episodes(
 
     release([ep for ep in episodes.values() if ep.done])  # lost at reset (env crash)
     live = [ep for ep in episodes.values() if not ep.done]
-    turn = 0
-    while live:
-        turn += 1
-        bar.set_postfix(turn=turn, playing=len(live), refresh=True)  # a long turn still shows progress
-        t0 = time.perf_counter()
-        requests = [GenerationRequest(ep.id, ep.request_ids(), ep.max_new_tokens(), ep) for ep in live]
-        t1 = time.perf_counter()
-        completions = generate_each(engine, requests)
-        t2 = time.perf_counter()
-        actions = []
-        for ep, completion in zip(live, completions):
-            if isinstance(completion, str):
-                ep.crash(completion)
-                continue
-            try:
-                action = ep.on_completion(completion)
-            except Exception as exc:  # a bug of ours, reached by this reply: lose the episode, not the run
-                log.exception("episode %s: internal error on a reply", ep.id)
-                ep.crash(f"internal error on the reply: {type(exc).__name__}: {exc}")
-                continue
-            if action is not None:
-                actions.append((ep.id, action))
-        t3 = time.perf_counter()
-        answers = envs.step_many(actions) if actions else []
-        t4 = time.perf_counter()
-        for answer in answers:
-            episodes[answer.episode_id].on_env_result(answer)
-        t5 = time.perf_counter()
-        times.engine_s += t2 - t1
-        times.env_s += t4 - t3
-        times.agent_s += (t1 - t0) + (t3 - t2) + (t5 - t4)
-        times.turns += len(live)
-        release([ep for ep in live if ep.done])
-        live = [ep for ep in live if not ep.done]
+    if engine.concurrent and not cfg.rollout.lockstep_turns:
+        _play_unpaced(live, engine, envs, times, bar, release)
+    else:
+        _play_in_rounds(live, episodes, engine, envs, times, bar, release)
     bar.close()
     return [episodes[eid].traj for eid, _ in jobs]

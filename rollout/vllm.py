@@ -64,6 +64,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import urllib.error
 import urllib.request
 import uuid
@@ -143,6 +144,7 @@ class VLLMEngine(Engine):
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.stop_ids = stop_token_ids(tokenizer)
         self.seed, self._turns = seed, {}
+        self._lock = threading.Lock()  # server mode takes requests from several threads (`concurrent`)
         self.bucket_bytes, self.sleep_mode = bucket_bytes, sleep_mode
         self.adapter_root = Path(adapter_dir or tempfile.mkdtemp(prefix="memexrl-lora-"))
         self.lora_request = None  # the current LoRARequest (colocate) / adapter name (server)
@@ -151,6 +153,12 @@ class VLLMEngine(Engine):
         self.model_dir = model_dir  # the weights vLLM loaded: an INT4 checkpoint makes full sync re-quantise
         # Adapter names are unique per engine: several training processes may share one server.
         self.adapter_tag = f"policy-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    @property
+    def concurrent(self) -> bool:
+        """Server mode: `generate` may run in several threads at once, each episode's turn sent on its own, and the
+        server's continuous batching mixes them (rollout/runner.py without rollout.lockstep_turns)."""
+        return self.server_url is not None
 
     # --- sampling -------------------------------------------------------------------------------
     def reseed(self, seed: int) -> None:
@@ -167,15 +175,17 @@ class VLLMEngine(Engine):
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         live = [i for i, r in enumerate(requests) if r.max_new_tokens > 0]
-        seeds = [self._request_seed(requests[i].episode_id) for i in live]
+        with self._lock:
+            seeds = [self._request_seed(requests[i].episode_id) for i in live]
         sample = self._generate_local if self.llm is not None else self._generate_server
         results = sample([requests[i] for i in live], seeds) if live else []
         out = [Completion(text="", token_ids=[], logprobs=[], finish_reason="length") for _ in requests]
-        for i, (ids, logprobs, reason) in zip(live, results):
-            self.generated_tokens += len(ids)
-            reason = "stop" if ids and ids[-1] in self.stop_ids else "length"  # also vLLM's 'abort'
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            out[i] = Completion(text=text, token_ids=list(ids), logprobs=list(logprobs), finish_reason=reason)
+        with self._lock:
+            for i, (ids, logprobs, reason) in zip(live, results):
+                self.generated_tokens += len(ids)
+                reason = "stop" if ids and ids[-1] in self.stop_ids else "length"  # also vLLM's 'abort'
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                out[i] = Completion(text=text, token_ids=list(ids), logprobs=list(logprobs), finish_reason=reason)
         return out
 
     def _generate_local(self, requests: list[GenerationRequest], seeds: list[int]) -> list[tuple]:
@@ -228,6 +238,34 @@ class VLLMEngine(Engine):
 
         with ThreadPoolExecutor(max_workers=min(64, len(requests))) as pool:  # the server batches them
             return list(pool.map(one, zip(requests, seeds)))
+
+    # Totals of a vLLM server's Prometheus /metrics (each summed over its labels) that `counters` reports.
+    SERVER_COUNTERS = {"vllm:generation_tokens_total": "generated_tokens", "vllm:prompt_tokens_total": "prompt_tokens",
+                       "vllm:prompt_tokens_cached_total": "cached_prompt_tokens",
+                       "vllm:iteration_tokens_total_count": "engine_steps", "vllm:num_preemptions_total": "preemptions"}
+
+    def counters(self) -> dict[str, float]:
+        """Server mode: the server's own totals (prompt_tokens are those it was sent, cached_prompt_tokens those
+        its prefix cache held, engine_steps its scheduler iterations), read from /metrics; the engine's count of
+        generated tokens otherwise (or when /metrics does not answer)."""
+        out = {"generated_tokens": float(self.generated_tokens)}
+        if self.server_url is None:
+            return out
+        try:
+            with urllib.request.urlopen(f"{self.server_url}/metrics", timeout=30) as resp:
+                text = resp.read().decode("utf-8", "replace")
+        except OSError:
+            return out
+        served: dict[str, float] = {}
+        for line in text.splitlines():
+            key = self.SERVER_COUNTERS.get(line.split("{", 1)[0].split(" ", 1)[0])
+            if key is None:
+                continue
+            try:
+                served[key] = served.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                continue
+        return {**out, **served}
 
     # --- colocation -----------------------------------------------------------------------------
     def sleep(self) -> None:

@@ -58,7 +58,8 @@ def lockstep(out_dir: Path, overrides: list[str]) -> None:
     acc = trainer.accelerator
     rank = acc.process_index
     samples = segment_samples(rank, 2 + 2 * rank)
-    trainer.fill_logprobs(samples)
+    trainer.cfg.train.old_logprobs_from_update = False  # the separate old pass, whose lockstep this checks
+    trainer.fill_logprobs([samples], {})
     metrics: dict = {}
     trainer.update([samples], metrics)
     record = {"rank": rank, "world": acc.num_processes, "zero_stage": trainer.zero_stage,

@@ -151,6 +151,41 @@ def test_chunked_output_head_equals_the_whole_head(with_grad):
         torch.testing.assert_close(g3, g0, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("with_grad", [False, True])
+def test_the_head_at_trained_positions_only_gives_their_log_probs_entropy_and_gradients(with_grad):
+    """train.head_trained_only: segments whose turns are interleaved with untrained observations (and a second row
+    of another length) get the same log-probs and entropy at every trained position as the head over every position
+    from the first trained one, 0 elsewhere, and the same gradients of a loss weighted by the loss mask."""
+    from modeling.load import load_policy
+    from training.batching import SegmentSample, sequence_logprobs
+
+    torch.manual_seed(0)
+    model, _ = load_policy(load_config(None, ["model.name=tiny-qwen3-moe", "model.device=cpu"]).model)
+    model.train(with_grad)
+    masks = ([0] * 4 + [1] * 3 + [0] * 5 + [1] * 4 + [0] * 2 + [1] * 2, [0] * 6 + [1] * 2 + [0] * 3 + [1] * 2)
+    samples = [SegmentSample(torch.randint(5, 200, (len(m),)).tolist(), m, [0.0] * len(m), 1.0, 1.0, i)
+               for i, m in enumerate(masks)]
+    batch = collate(samples, 0, torch.device("cpu"))
+    results = []
+    for trained_only in (False, True):
+        model.zero_grad()
+        with torch.set_grad_enabled(with_grad):
+            logp, ent = sequence_logprobs(model, batch, with_entropy=True, head_chunk=3, trained_only=trained_only)
+            if with_grad:
+                ((logp + ent) * batch.loss_mask).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results.append((logp.detach(), ent.detach(), grads))
+    (logp_all, ent_all, grads_all), (logp_tr, ent_tr, grads_tr) = results
+    trained = batch.loss_mask > 0
+    assert int(trained.sum()) == sum(map(sum, masks))  # (no row trains its first token)
+    torch.testing.assert_close(logp_tr[trained], logp_all[trained], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent_tr[trained], ent_all[trained], atol=1e-5, rtol=1e-5)
+    assert bool((logp_tr[~trained] == 0).all()) and bool((logp_all[~trained][5:] != 0).any())
+    assert len(grads_tr) == len(grads_all) and (len(grads_all) > 0) == with_grad
+    for g_tr, g_all in zip(grads_tr, grads_all):
+        torch.testing.assert_close(g_tr, g_all, atol=1e-5, rtol=1e-4)
+
+
 def test_chunked_output_head_through_a_ddp_wrapper():
     """Multi-GPU runs hand `sequence_logprobs` the DDP-wrapped model, which does not forward attributes."""
     import torch.distributed as dist

@@ -97,3 +97,40 @@ def test_eval_plays_a_lora_checkpoint_through_a_managed_vllm_cpu_server(tmp_path
     log = (tmp_path / "vllm" / "vllm-serve.log").read_text()
     assert str(tmp_path / "vllm" / "merged") in log and "dtype=torch.float32" in log
     assert_server_stopped(log)
+
+
+def test_episodes_in_flight_on_a_vllm_server_play_the_turns_of_the_rounds(tmp_path, alfworld_data, monkeypatch):
+    """Sampled episodes through one managed vLLM CPU server, each turn sent as soon as its episode is ready
+    (rollout.lockstep_turns false, the default) and a round at a time (true): every reply is the same, since each
+    turn's sampling seed is its episode's and turn's, whatever else the server is batching."""
+    from common.config import load_config
+    from envs.data import resolve_game
+    from modeling.zoo import resolve_model_path
+    from rollout.runner import make_renderer, open_envs, run_episodes
+    from rollout.vllm import make_vllm_engine
+    from rollout.vllm_server import ManagedServer
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = load_config(None, [f"env.data_dir={alfworld_data}", "env.max_steps=3", "rollout.max_new_tokens=24",
+                             "rollout.temperature=1.0", "rollout.max_context_tokens=2048"])
+    model_dir = str(resolve_model_path("smollm2-135m", cfg.model.cache_dir))
+    jobs = [(f"e{i}", str(resolve_game(f"valid_seen:{i}", alfworld_data))) for i in range(3)]
+    replies = {}
+    with ManagedServer.serving(str(VLLM_PYTHON), model_dir, tmp_path / "vllm-serve.log", dtype="float32",
+                               max_model_len=2048, lora_rank=0) as server:
+        from modeling.load import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model)
+        for lockstep in (True, False):
+            cfg.rollout.lockstep_turns = lockstep
+            engine = make_vllm_engine(model_dir=model_dir, tokenizer=tokenizer, sampling=cfg.rollout, seed=7,
+                                      dtype="float32", **server.engine_args())
+            assert engine.concurrent
+            with open_envs(cfg, 1) as envs:
+                trajs = run_episodes(jobs, engine, envs, make_renderer(tokenizer, cfg), cfg)
+            replies[lockstep] = [[s.assistant for s in t.steps] for t in trajs]
+            counted = engine.counters()  # the server's own totals, read from its /metrics
+            assert counted["generated_tokens"] > 0 and counted["prompt_tokens"] > counted["generated_tokens"]
+    assert sum(map(len, replies[True])) >= 6 and not any(t.crashed for t in trajs)
+    assert replies[True] == replies[False]

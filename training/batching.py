@@ -177,7 +177,8 @@ def _head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, with_entro
     return logp, grpo.entropy(logp_all) if with_entropy else torch.zeros_like(logp)
 
 
-def sequence_logprobs(model, batch: MicroBatch, with_entropy: bool = False, head_chunk: int = 0):
+def sequence_logprobs(model, batch: MicroBatch, with_entropy: bool = False, head_chunk: int = 0,
+                      trained_only: bool = False):
     """Log-prob of each next token under `model`: (B, L-1), and its entropy (B, L-1) if asked.
 
     The output layer and the softmax run only from the first trained position on (the shared
@@ -195,6 +196,12 @@ def sequence_logprobs(model, batch: MicroBatch, with_entropy: bool = False, head
     must use head_chunk 0. head_chunk 0: one full-width head via `logits_to_keep`, which is also
     what runs under DeepSpeed ZeRO-3: its partitioned head weight is gathered by a module hook
     in the forward but not inside a checkpoint's recompute.
+
+    trained_only (train.head_trained_only, with head_chunk > 0): the output layer runs at the trained positions
+    alone (the loss mask's), every other position is returned as 0. A segment's observations (env answers, pages,
+    read blocks) sit between its turns and are never trained, yet from the first turn on the slices above would
+    run the head over them too; their log-probs are never used (the loss, TIS, KL and entropy are all weighted by
+    the loss mask), so the trained positions' values are the same.
     """
     B, L = batch.input_ids.shape
     trained = batch.loss_mask.sum(dim=0).nonzero()
@@ -207,19 +214,29 @@ def sequence_logprobs(model, batch: MicroBatch, with_entropy: bool = False, head
         logp_all = torch.log_softmax(logits.float(), dim=-1)
         kept = logp_all.gather(-1, targets[..., None]).squeeze(-1)
         ent = grpo.entropy(logp_all) if with_entropy else None
-    else:
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=1,
-                    output_hidden_states=True)
-        hidden = out.hidden_states[-1][:, start:-1]  # (B, L-1-start, H)
-        parts = []
-        for i in range(0, hidden.shape[1], head_chunk):
-            args = (head, hidden[:, i : i + head_chunk], targets[:, i : i + head_chunk], with_entropy)
-            if torch.is_grad_enabled():
-                parts.append(torch.utils.checkpoint.checkpoint(_head_logprobs, *args, use_reentrant=False))
-            else:
-                parts.append(_head_logprobs(*args))
-        kept = torch.cat([p[0] for p in parts], dim=1)
-        ent = torch.cat([p[1] for p in parts], dim=1) if with_entropy else None
+        logp = torch.nn.functional.pad(kept, (start, 0))  # (B, L-1)
+        return logp, None if ent is None else torch.nn.functional.pad(ent, (start, 0))
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=1,
+                output_hidden_states=True)
+    hidden = out.hidden_states[-1][:, start:-1]  # (B, L-1-start, H)
+    where = batch.loss_mask[:, start:] > 0 if trained_only else None
+    if where is not None and not bool(where.any()):  # nothing trained (a padding pass): every position, as before
+        where = None
+    if where is not None:  # one row of the trained positions: (1, N, H)
+        hidden, targets = hidden[where][None], targets[where][None]
+    parts = []
+    for i in range(0, hidden.shape[1], head_chunk):
+        args = (head, hidden[:, i : i + head_chunk], targets[:, i : i + head_chunk], with_entropy)
+        if torch.is_grad_enabled():
+            parts.append(torch.utils.checkpoint.checkpoint(_head_logprobs, *args, use_reentrant=False))
+        else:
+            parts.append(_head_logprobs(*args))
+    kept = torch.cat([p[0] for p in parts], dim=1)
+    ent = torch.cat([p[1] for p in parts], dim=1) if with_entropy else None
+    if where is not None:  # back to (B, L-1-start), 0 where nothing was trained
+        kept = torch.zeros(where.shape, dtype=kept.dtype, device=kept.device).masked_scatter(where, kept[0])
+        if ent is not None:
+            ent = torch.zeros(where.shape, dtype=ent.dtype, device=ent.device).masked_scatter(where, ent[0])
     logp = torch.nn.functional.pad(kept, (start, 0))  # (B, L-1)
     return logp, None if ent is None else torch.nn.functional.pad(ent, (start, 0))
 
@@ -251,9 +268,10 @@ def lockstep_micro_batches(samples: list[SegmentSample], micro_batch_size: int, 
 
 @torch.no_grad()
 def fill_logprobs(model, samples: list[SegmentSample], micro_batch_size: int, pad_id: int, device,
-                  field: str, head_chunk: int = 0, acc=None) -> None:
+                  field: str, head_chunk: int = 0, acc=None, trained_only: bool = False) -> None:
     """Store the model's per-token log-probs on each sample under `field` (old_logprobs / ref_logprobs).
 
+    `trained_only`: the output layer at trained positions only (`sequence_logprobs`; the others hold 0).
     `acc` (the accelerator, several processes): forwards in lockstep with the other processes
     (`lockstep_micro_batches`), as ZeRO-3 needs. A progress bar on the main process (these passes can take
     minutes before the update's first optimizer step).
@@ -262,6 +280,6 @@ def fill_logprobs(model, samples: list[SegmentSample], micro_batch_size: int, pa
     main = acc is None or acc.is_main_process
     for chunk in tqdm(chunks, desc=field.replace("_", " "), leave=False, disable=not main):
         logp, _ = sequence_logprobs(model, collate(chunk or [padding_sample(pad_id)], pad_id, device),
-                                    head_chunk=head_chunk)
+                                    head_chunk=head_chunk, trained_only=trained_only)
         for i, s in enumerate(chunk):
             setattr(s, field, logp[i, : len(s.input_ids) - 1].cpu().tolist())

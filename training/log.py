@@ -13,7 +13,12 @@ metrics.jsonl, one object per rollout step (design.md "Run directory"):
   loss      loss (aggregated objective), pg_loss, kl (k3 to the reference), approx_kl (to the rollout
             policy, CleanRL's), entropy, clip_frac, tis_clip_frac
             (shares of trained tokens), zero_std_group_frac (dropped groups), grad_norm, lr
-  time      rollout_s, train_s
+  time      rollout_s, train_s, and train_s's phases: score_s (inside rollout_s), old_logprobs_s, ref_logprobs_s,
+            update_s, sync_s
+  work      rollout_generated_tokens, rollout_prompt_tokens, rollout_cached_prompt_tokens, rollout_engine_steps
+            (the engine's own counts over the rollouts, where it keeps them: Engine.counters),
+            rollout_attended_tokens (the context each sampled token was generated from, summed),
+            forward_tokens, trained_tokens and forward_attended_tokens of the update (this process's)
 wandb gets the same numbers under the prefixed names of WANDB_NAMES (style.md), plus a table
 of a few trajectories per step: one row per segment with its transcript, reward and advantage.
 RUN/rollouts/step-N.jsonl keeps every trajectory of step N (design.md trajectory JSON + advantage).
@@ -48,7 +53,9 @@ WANDB_NAMES = {
     "clip_frac": "loss/clip_frac", "tis_clip_frac": "loss/tis_clip_frac",
     "zero_std_group_frac": "loss/zero_std_group_frac", "grad_norm": "loss/grad_norm", "lr": "charts/lr",
     "num_crashed": "rollout/num_crashed", "num_samples": "charts/num_samples", "num_updates": "charts/num_updates",
-    "rollout_s": "time/rollout_s", "train_s": "time/train_s",
+    "rollout_s": "time/rollout_s", "train_s": "time/train_s", "score_s": "time/score_s",
+    "old_logprobs_s": "time/old_logprobs_s", "ref_logprobs_s": "time/ref_logprobs_s", "update_s": "time/update_s",
+    "sync_s": "time/sync_s",
 }
 
 
@@ -86,6 +93,28 @@ def segment_metrics(per_update: list[list]) -> dict[str, float]:
     tokens = sum(s.trained_tokens for s in every)
     return {"num_samples": len(every), "segments_per_update": len(every) / max(1, len(per_update)),
             "later_segment_token_share": sum(s.trained_tokens for s in every if s.segment > 0) / max(1, tokens)}
+
+
+def token_counts(per_update: list[list]) -> dict[str, int]:
+    """This process's tokens in the update: forward (every position of every trained segment), trained (the
+    sampled ones) and forward_attended (the causal attention's (query, key) pairs, n(n-1)/2 a segment of n);
+    `memexrl bench step` turns them into the update's rates."""
+    every = [s for chunk in per_update for s in chunk]
+    return {"forward_tokens": sum(len(s.input_ids) for s in every), "trained_tokens": sum(s.trained_tokens for s in every),
+            "forward_attended_tokens": sum(len(s.input_ids) * (len(s.input_ids) - 1) // 2 for s in every)}
+
+
+def attended_tokens(trajs: list[Trajectory]) -> int:
+    """The context each sampled token was generated from, summed over the sampled tokens of `trajs`: what decoding
+    read from the KV cache, in tokens (`memexrl bench step` turns it into bytes)."""
+    total = 0
+    for traj in trajs:
+        for seg in traj.segments:
+            context = len(seg.prompt_ids)
+            for sampled in seg.loss_mask:
+                total += context if sampled else 0
+                context += 1
+    return total
 
 
 def transcript(messages: list[dict], limit: int = 4000) -> str:

@@ -58,7 +58,7 @@ from training.batching import (
     set_weights,
     untied_groups,
 )
-from training.log import RunLogger, rollout_metrics, segment_metrics
+from training.log import RunLogger, attended_tokens, rollout_metrics, segment_metrics, token_counts
 from training.pending import PlayedStep, discard_played_steps, keep_played_step, load_played_step, step_dir
 from training.policy import Policy, load_policy_for_grpo
 from training.state import (
@@ -267,8 +267,7 @@ class Trainer:
             scale = self._scale(count)
             for s in samples:
                 s.weight *= scale
-        every = [s for samples in per_update for s in samples]
-        self.fill_logprobs(every)
+        self.fill_logprobs(per_update, metrics)
         metrics.update(segment_metrics(per_update))
         return per_update, advantages
 
@@ -283,22 +282,33 @@ class Trainer:
             set_weights(chunk, self.cfg.train.loss_agg)
         return per_update
 
-    def fill_logprobs(self, samples: list) -> None:
+    def fill_logprobs(self, per_update: list[list], metrics: dict) -> None:
         """Old log-probs (the trainer's, under the weights that generated the rollouts: TIS, PPO ratio) and
-        reference log-probs (KL) of this process's segments, in lockstep with the other processes."""
+        reference log-probs (KL) of this process's segments, in lockstep with the other processes.
+
+        train.old_logprobs_from_update: the first minibatch's old log-probs come from the update's own forward
+        (training/update.py), so its samples keep old_logprobs None here."""
         t, acc, policy = self.cfg.train, self.accelerator, self.policy
         pad = pad_id(policy.tokenizer)
         model = acc.unwrap_model(self.model)
         model.eval()
+        samples = [s for chunk in per_update for s in chunk]
+        t0, later = time.perf_counter(), per_update
         if t.recompute_old_logprobs:
-            fill_logprobs(model, samples, t.micro_batch_size, pad, acc.device, "old_logprobs", t.head_chunk_size, acc)
+            later = per_update[1:] if t.old_logprobs_from_update else per_update
+            if later:  # every process has as many minibatches (a collective inside stays matched)
+                fill_logprobs(model, [s for chunk in later for s in chunk], t.micro_batch_size, pad, acc.device,
+                              "old_logprobs", t.head_chunk_size, acc, t.head_trained_only)
         else:
             for s in samples:
                 s.old_logprobs = s.rollout_logprobs[1:]
+        t1 = time.perf_counter()
         if t.kl_coef > 0:
             with policy.reference_context():
                 fill_logprobs(policy.reference_module(), samples, t.micro_batch_size, pad, acc.device, "ref_logprobs",
-                              t.head_chunk_size, acc)
+                              t.head_chunk_size, acc, t.head_trained_only)
+        metrics["old_logprobs_s"] = t1 - t0 if t.recompute_old_logprobs and later else 0.0
+        metrics["ref_logprobs_s"] = time.perf_counter() - t1
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> Path:
@@ -319,11 +329,15 @@ class Trainer:
                     raise MemexError(f"step {step}: every episode crashed, so there is nothing to train on; the first "
                                      f"one: {trajs[0].error if trajs else 'on another process'}")
                 per_update, advantages = self.prepare_samples(trajs, groups, step, metrics)
+                t2 = time.perf_counter()
                 self.update(per_update, metrics)
+                t3 = time.perf_counter()
                 release_cached_memory()  # before vLLM takes its weights and KV cache back
                 engine.wake_up()
                 engine.sync_weights(acc.unwrap_model(self.model))  # an external engine (vLLM) gets the weights here
-                metrics["train_s"] = time.perf_counter() - t1
+                t4 = time.perf_counter()
+                metrics.update(train_s=t4 - t1, update_s=t3 - t2, sync_s=t4 - t3,
+                               **token_counts(per_update))
                 self.logger.log_step(metrics, trajs, advantages)
                 stopping = step < t.steps and stop.requested()  # a preemption notice (common/preemption.py)
                 if step % t.save_steps == 0 or step == t.steps or stopping:
@@ -347,10 +361,12 @@ class Trainer:
                 acc.print(f"step {step}: training on the rollouts kept in {step_dir(self.run_dir, step)}")
                 return kept.trajectories, kept.groups
         sampler_before = self.sampler.state_dict()
+        counted = engine.counters()
         t0 = time.perf_counter()
         with self.generation_weights(engine):
             trajs, groups = self.play_step(step, engine, envs, cfg, metrics)
         metrics["rollout_s"] = time.perf_counter() - t0
+        metrics.update({f"rollout_{k}": v - counted.get(k, 0.0) for k, v in engine.counters().items()})
         if stop.requested():  # a preemption notice during the rollouts: keep them, skip the update
             self.stop_after_rollouts(step, PlayedStep(trajs, groups, metrics, self.sampler.state_dict()), sampler_before)
         return trajs, groups
@@ -385,7 +401,9 @@ class Trainer:
         while True:
             games = self.sampler.next(missing * world)[rank::world]
             new, new_groups = rollout(step, games, engine, self.policy, envs, cfg, rank, draws)
+            t0 = time.perf_counter()
             score_trajectories(new, cfg.memory.threshold, cfg.reward)
+            metrics["score_s"] = metrics.get("score_s", 0.0) + time.perf_counter() - t0
             offset = len(set(groups))
             trajs, groups = trajs + new, groups + [g + offset for g in new_groups]
             draws, drawn = draws + 1, drawn + missing * world
@@ -400,6 +418,7 @@ class Trainer:
             if not missing or draws > t.max_sample_rounds:
                 break
         metrics["sample_rounds"], metrics["groups_drawn"] = draws, drawn
+        metrics["rollout_attended_tokens"] = attended_tokens(trajs)  # every draw's episodes, this process's
         metrics.update(rollout_metrics(trajs, acc))  # every played episode; gathered: the same on every process
         if t.tied_groups == "resample":
             keep = set(untied_groups(trajs, groups, t.tied_on)[:share])

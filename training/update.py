@@ -72,7 +72,9 @@ def update_policy(*, model, optimizer, scheduler, accelerator, samples_per_updat
     """One optimizer step per minibatch of segments, gradients accumulated over micro-batches.
 
     `samples_per_update[u]` are the segments of update u, with aggregation weights already
-    normalised over that minibatch (batching.build_samples) and old/ref log-probs filled.
+    normalised over that minibatch (batching.build_samples) and old/ref log-probs filled; a micro-batch
+    without old log-probs (the first minibatch under train.old_logprobs_from_update, before any optimizer
+    step) takes its own forward's, detached.
     `train` gives the loss coefficients, micro-batch size and gradient clip; `pad_token_id` pads the
     micro-batches (`pad_id(tokenizer)`); `params` are the trained parameters (for the gradient norm).
     Returns the loss statistics of design.md (token shares over trained tokens), with CleanRL's
@@ -97,9 +99,12 @@ def update_policy(*, model, optimizer, scheduler, accelerator, samples_per_updat
                 batch.weights.zero_()
             with _boundary(acc, model, last=j == len(chunks) - 1):
                 logp, ent = sequence_logprobs(model, batch, with_entropy=t.entropy_coef > 0,
-                                             head_chunk=t.head_chunk_size)
+                                             head_chunk=t.head_chunk_size, trained_only=t.head_trained_only)
+                # None: no optimizer step since the rollouts (train.old_logprobs_from_update), so this forward's
+                # log-probs are the old ones
+                old = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
                 tok_loss, parts = grpo.token_loss(
-                    logp, batch.old_logprobs, batch.rollout_logprobs, batch.ref_logprobs, ent, batch.advantages,
+                    logp, old, batch.rollout_logprobs, batch.ref_logprobs, ent, batch.advantages,
                     clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap or None,
                     kl_coef=t.kl_coef, entropy_coef=t.entropy_coef, kl_clamp=t.kl_clamp,
                 )
