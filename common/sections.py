@@ -155,8 +155,10 @@ class RolloutConfig:
         "True: the episodes in flight advance a round at a time, each round one engine call that waits for its "
         "longest reply (what the transformers engine and a colocated vLLM always do). False: with an engine that "
         "takes concurrent requests (a vLLM server), each episode sends its next turn as soon as its own observation "
-        "is back, so the server's continuous batching stays full; the same tokens (each turn's sampling seed is its "
-        "episode's and turn's: rollout/vllm.py), `memexrl bench step` measures the time.", False)
+        "is back, so the server's continuous batching stays full (1.64x the rollouts of a cpu-reading step: "
+        "docs/benchmarks.md). Each turn's sampling seed is its episode's and turn's either way (rollout/vllm.py): the "
+        "same replies in float32; in bfloat16 vLLM's CPU kernels can differ with the batch a request shares, so "
+        "trajectories may part after a few turns.", False)
 
 
 @dataclass

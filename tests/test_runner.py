@@ -90,31 +90,36 @@ def test_a_reply_cut_at_the_turn_limit_is_told_it_was_cut(setup):
 
 
 class ConcurrentScripts(ScriptedEngine):
-    """A scripted policy that takes concurrent requests, as a vLLM server does (`Engine.concurrent`): each of an
-    episode's replies takes `delay[episode]` seconds; `order` records (episode, turn) as replies are sent."""
+    """A scripted policy that takes concurrent requests, as a vLLM server does (`Engine.concurrent`). `hold`: the
+    first reply of that episode waits (up to a minute) until another episode has asked for its last scripted turn;
+    `order` records (episode, turn) as replies are sent; `fail`: the (episode, turn) whose request is refused."""
 
     concurrent = True
 
-    def __init__(self, tokenizer, scripts, delay, fail=None):
+    def __init__(self, tokenizer, scripts, hold=None, fail=None):
+        import threading
+
         super().__init__(tokenizer, scripts)
-        self.delay, self.fail, self.order = delay, fail, []
+        self.hold, self.fail, self.order = hold, fail, []
+        self.last_turn_asked = threading.Event()
 
     def generate(self, requests):
-        import time
-
         (request,) = requests  # the runner sends each turn on its own
-        turn = self.position.get(request.episode_id, 0)
-        time.sleep(self.delay.get(request.episode_id, 0.0))
-        if (request.episode_id, turn) == self.fail:
+        episode, turn = request.episode_id, self.position.get(request.episode_id, 0)
+        if episode != self.hold and turn == len(self.scripts[episode]) - 1:
+            self.last_turn_asked.set()
+        if episode == self.hold and turn == 0:
+            self.last_turn_asked.wait(timeout=60)
+        if (episode, turn) == self.fail:
             raise RuntimeError("the server refused this request")
-        self.order.append((request.episode_id, turn))
+        self.order.append((episode, turn))
         return super().generate(requests)
 
 
 def test_episodes_in_flight_never_wait_for_each_other_and_play_the_same_turns(setup):
     """Without rollout.lockstep_turns, an engine that takes concurrent requests gets each episode's next turn as soon
-    as its observation is back: a fast episode plays all its turns while a slow one is still on its first, and
-    every trajectory is the one the rounds give."""
+    as its observation is back: a fast episode plays all its turns while a slow one is still on its first (in rounds
+    it could not: the slow reply would wait the minute out), and every trajectory is the one the rounds give."""
     cfg, games, tok = setup
     jobs = [("slow", games[0]), ("fast", games[1])]
     scripts = {eid: SCRIPT for eid, _ in jobs}
@@ -122,20 +127,21 @@ def test_episodes_in_flight_never_wait_for_each_other_and_play_the_same_turns(se
     for lockstep in (True, False):
         c = load_config(None, [f"env.data_dir={cfg.env.data_dir}", "memory.threshold=500",
                                f"rollout.lockstep_turns={lockstep}"])
-        engine = ConcurrentScripts(tok, scripts, {"slow": 0.4})
+        engine = ConcurrentScripts(tok, scripts, hold=None if lockstep else "slow")
         with open_envs(c, 0) as envs:
             played[lockstep] = [t.to_json() for t in run_episodes(jobs, engine, envs, make_renderer(tok, c), c)]
-        if lockstep:  # a round at a time: the fast episode's second turn waits for the slow one's first
+        if lockstep:  # a round at a time: the fast episode's second turn comes after the slow one's first
             assert engine.order.index(("fast", 1)) > engine.order.index(("slow", 0))
-        else:
-            assert engine.order.index(("fast", len(SCRIPT) - 1)) < engine.order.index(("slow", 1))
+        else:  # the slow reply was held until the fast episode asked for its last turn, and no longer
+            assert engine.last_turn_asked.is_set()
+            assert engine.order.index(("slow", 0)) > engine.order.index(("fast", len(SCRIPT) - 2))
     assert played[True] == played[False]
 
 
 def test_a_refused_request_in_flight_ends_its_episode_only(setup):
     cfg, games, tok = setup
     c = load_config(None, [f"env.data_dir={cfg.env.data_dir}", "memory.threshold=500"])
-    engine = ConcurrentScripts(tok, {"a": SCRIPT, "b": SCRIPT}, {}, fail=("a", 1))
+    engine = ConcurrentScripts(tok, {"a": SCRIPT, "b": SCRIPT}, fail=("a", 1))
     with open_envs(c, 0) as envs:
         a, b = run_episodes([("a", games[0]), ("b", games[1])], engine, envs, make_renderer(tok, c), c)
     assert a.crashed and "the server refused this request" in a.error and len(a.steps) == 1
