@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 # The settings the step ran with before its speed levers (docs/benchmarks.md, "One GRPO step"): `before`'s overrides.
 BEFORE = ["rollout.lockstep_turns=true", "train.old_logprobs_from_update=false", "train.head_trained_only=false"]
-PHASES = ("rollout", "score", "old_logprobs", "ref_logprobs", "update", "sync")
 LOSS_KEYS = ("loss", "pg_loss", "kl", "approx_kl", "clip_frac", "tis_clip_frac", "grad_norm")
 
 
@@ -210,8 +209,7 @@ def bench_step(cfg: Config, before: Config | None, out: Path, baseline: list[str
         runs.append(play_one_step(before, out / "before", "before"))
     runs.append(play_one_step(cfg, out / "after", "after"))
     ceilings = Ceilings(runs[-1].device)
-    result = {"runs": runs, "phases": {r.name: phases(r, ceilings) for r in runs}, "ceilings": ceilings,
-              "baseline": baseline}
+    result = {"runs": runs, "phases": {r.name: phases(r, ceilings) for r in runs}, "baseline": baseline}
     (out / "bench-step.json").write_text(json.dumps(to_json(result), indent=1) + "\n")
     return result
 

@@ -293,21 +293,22 @@ class Trainer:
         model = acc.unwrap_model(self.model)
         model.eval()
         samples = [s for chunk in per_update for s in chunk]
-        t0, later = time.perf_counter(), per_update
-        if t.recompute_old_logprobs:
-            later = per_update[1:] if t.old_logprobs_from_update else per_update
-            if later:  # every process has as many minibatches (a collective inside stays matched)
-                fill_logprobs(model, [s for chunk in later for s in chunk], t.micro_batch_size, pad, acc.device,
-                              "old_logprobs", t.head_chunk_size, acc, t.head_trained_only)
-        else:
+        t0 = time.perf_counter()
+        if not t.recompute_old_logprobs:
             for s in samples:
                 s.old_logprobs = s.rollout_logprobs[1:]
+        # every process has as many minibatches, so all of them skip the pass or none does (its collectives match)
+        old_pass = t.recompute_old_logprobs and (len(per_update) > 1 or not t.old_logprobs_from_update)
+        if old_pass:
+            later = per_update[1:] if t.old_logprobs_from_update else per_update
+            fill_logprobs(model, [s for chunk in later for s in chunk], t.micro_batch_size, pad, acc.device,
+                          "old_logprobs", t.head_chunk_size, acc, t.head_trained_only)
         t1 = time.perf_counter()
         if t.kl_coef > 0:
             with policy.reference_context():
                 fill_logprobs(policy.reference_module(), samples, t.micro_batch_size, pad, acc.device, "ref_logprobs",
                               t.head_chunk_size, acc, t.head_trained_only)
-        metrics["old_logprobs_s"] = t1 - t0 if t.recompute_old_logprobs and later else 0.0
+        metrics["old_logprobs_s"] = t1 - t0 if old_pass else 0.0
         metrics["ref_logprobs_s"] = time.perf_counter() - t1
 
     # ------------------------------------------------------------------ the loop
