@@ -51,6 +51,29 @@ QUICK_OVERRIDES = [
 # the expert's turns too) nor shorter episodes: they must pass 0.8 T.
 
 
+BF16_OVERRIDES = {("sft", "bf16"): True, ("rollout", "dtype"): "bfloat16", ("train", "mixed_precision"): "bf16",
+                  ("train", "recompute_old_logprobs"): True}  # the trainer's log-probs, not the bf16 engine's, for PPO
+
+
+def demo_precision(cfg: Config) -> str:
+    """demo.precision resolved: 'auto' is bfloat16 where it computes natively (a GPU; a CPU with AVX-512 BF16 or
+    AMX, where the SFT and the update run ~1.4x and the rollouts ~1.3x faster than float32, docs/benchmarks.md)
+    and float32 elsewhere (an AVX2 CPU emulates bfloat16, several times slower)."""
+    if cfg.demo.precision != "auto":
+        return cfg.demo.precision
+    from modeling.load import cpu_has_native_bf16, resolve_device
+
+    device = resolve_device(cfg.model.device)
+    return "bfloat16" if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()) else "float32"
+
+
+def apply_precision(cfg: Config) -> None:
+    """Set the SFT, rollout and update precision of every stage from demo.precision (`demo_precision`)."""
+    if demo_precision(cfg) == "bfloat16":
+        for (section, key), value in BF16_OVERRIDES.items():
+            setattr(getattr(cfg, section), key, value)
+
+
 def names(csv: str) -> list[str]:
     """The items of a comma-separated config value."""
     return [item.strip() for item in csv.split(",") if item.strip()]
@@ -261,6 +284,7 @@ def run_demo(cfg: Config, restart: bool = False) -> Path:
     list_games(cfg.demo.eval_split, cfg.env.data_dir)
     module_settings(names(cfg.demo.lme_memex_settings), "demo.lme_memex_settings")  # so does a bad setting
     check_lme_sizes(cfg)
+    apply_precision(cfg)
     if restart and out.exists():
         shutil.rmtree(out)
     check_same_config(cfg, out)

@@ -18,6 +18,12 @@ tokens, the quantity the trainer recomputes (vLLM's default `raw_logprobs` repor
 CPU with AVX-512 BF16 while the trainer updates float32 weights (measured in `memexrl bench
 rollout`). `sync_weights` copies the trained weights into it after each update; the trainer's
 recomputed log-probs and the TIS ratio correct for the engine's rounding, as they do for vLLM's.
+A LoRA policy's copy is a plain model with each adapter merged into its base weight (W + s B A,
+recomputed at every sync), as vLLM serves merged weights: a decode step of SmolLM2 at batch 4 and
+2,000 tokens of context takes ~70 ms merged against ~91 ms through PEFT's unmerged adapters
+(bfloat16, 2 cores with AMX; docs/benchmarks.md). A bfloat16 copy on a CPU with native bfloat16
+computes its linears from weights prepacked for oneDNN (rollout/packed_linear.py), repacked at
+every sync.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 
 from common.engine import Completion, Engine, GenerationRequest
 from rollout.kv_buffer import KV, buffer_cache, padded_buffer_cache
+from rollout.packed_linear import can_pack, pack_linears, repack
 
 # KV (rollout/kv_buffer.py): per layer keys, values, each (1, H, L, D) for one episode
 
@@ -57,18 +64,51 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: i
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def rollout_copy(model, dtype: torch.dtype):
-    """A frozen copy of `model` in `dtype` for generation (adapters and fake-quant parametrizations included)."""
-    clone = copy.deepcopy(model).to(dtype).eval()
+def lora_layers(model) -> dict:
+    """{module name in the base model: PEFT LoRA layer} of a PeftModel whose adapters can be merged into a plain
+    copy; {} for any other model, and for one with parametrized weights (fake-quant, modeling/quantize.py), whose
+    copy keeps the adapters as they are."""
+    from torch.nn.utils import parametrize
+
+    if not hasattr(model, "get_base_model") or any(parametrize.is_parametrized(m) for m in model.modules()):
+        return {}
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m for name, m in model.get_base_model().named_modules() if isinstance(m, LoraLayer)}
+
+
+def rollout_copy(model, dtype: torch.dtype, merge_lora: bool = True, pack_batch: int = 0):
+    """A frozen copy of `model` in `dtype` for generation: a LoRA policy's adapters merged into its weights
+    (`lora_layers`; merge_lora=False keeps them, as `memexrl bench rollout` compares); otherwise the module as it
+    is (adapters and fake-quant parametrizations included). pack_batch > 0: bfloat16 linears prepacked for oneDNN
+    for batches of about that many rows, where the CPU computes bfloat16 natively (rollout/packed_linear.py)."""
+    clone = copy.deepcopy(model)
+    if merge_lora and lora_layers(model):
+        clone = clone.merge_and_unload()  # merged in the trained dtype, then cast
+    clone = clone.to(dtype).eval()
     clone.requires_grad_(False)
+    if pack_batch > 0 and can_pack(clone, dtype):
+        pack_linears(clone, pack_batch)
     return clone
 
 
 @torch.no_grad()
 def copy_weights(source, target) -> None:
-    """The values of `source`'s parameters and buffers into `target`'s (same structure), cast to its dtype."""
-    for dst, src in zip(target.state_dict(keep_vars=True).values(), source.state_dict(keep_vars=True).values()):
-        dst.copy_(src)
+    """The values of `source`'s parameters and buffers into `target`'s, cast to its dtype: the same structure, or
+    (a `rollout_copy` with merged adapters) each LoRA layer's base weight plus its active adapters' delta."""
+    layers = lora_layers(source) if not lora_layers(target) else {}
+    if not layers:
+        for dst, src in zip(target.state_dict(keep_vars=True).values(), source.state_dict(keep_vars=True).values()):
+            dst.copy_(src)
+        return
+    into = target.state_dict(keep_vars=True)
+    for name, layer in layers.items():
+        delta = sum(layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A)
+        into[f"{name}.weight"].copy_(layer.get_base_layer().weight + delta)
+    merged = {f"{name}.base_layer.weight" for name in layers}
+    for name, value in source.get_base_model().state_dict(keep_vars=True).items():
+        if "lora_" not in name and name not in merged:
+            into[name.replace(".base_layer.", ".")].copy_(value)
 
 
 class TransformersEngine(Engine):
@@ -87,9 +127,12 @@ class TransformersEngine(Engine):
         reuse_cache: bool = True,
         preallocate_cache: bool = True,
         dtype: torch.dtype | None = None,
+        merge_lora: bool = True,
+        pack_weights: bool = True,
     ):
         self.source = model  # the trained module
-        self.model = model if dtype in (None, next(model.parameters()).dtype) else rollout_copy(model, dtype)
+        same = dtype in (None, next(model.parameters()).dtype)
+        self.model = model if same else rollout_copy(model, dtype, merge_lora, batch_size if pack_weights else 0)
         self.tokenizer = tokenizer
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.batch_size = batch_size
@@ -121,6 +164,7 @@ class TransformersEngine(Engine):
             self.source = model
         if self.model is not self.source:
             copy_weights(self.source, self.model)
+            repack(self.model)
         self._cache.clear()
 
     def release(self, episode_id: str) -> None:

@@ -8,7 +8,16 @@ from common.config import load_config
 from common.errors import MemexError
 from common.preemption import RunStopped, stopped_with_resume_point
 from eval.compare import table
-from memexrl.demo import DONE_FILE, QUICK_OVERRIDES, Demo, check_lme_sizes, check_same_config, run_demo
+from memexrl.demo import (
+    DONE_FILE,
+    QUICK_OVERRIDES,
+    Demo,
+    apply_precision,
+    check_lme_sizes,
+    check_same_config,
+    run_demo,
+)
+from modeling.load import cpu_has_native_bf16
 
 
 def test_an_interrupted_stage_starts_again_from_a_clean_directory(tmp_path):
@@ -92,6 +101,22 @@ def test_quick_overrides_are_a_valid_smaller_config():
     assert quick.train.max_episode_steps <= full.train.max_episode_steps
     for cfg in (full, quick):  # memory in both: the expert's first compression comes at turn 4-7 (T 800)
         assert cfg.demo.expert_need_memory and cfg.train.max_episode_steps >= 8 and cfg.demo.eval_max_steps >= 8
+
+
+def test_the_demo_computes_in_bfloat16_only_where_the_cpu_has_it_natively():
+    """demo.precision auto: the SFT, rollouts and update in bfloat16 on a CPU with AVX-512 BF16 or AMX, float32 on
+    one without (emulated bfloat16 runs slower there); an explicit choice is kept whatever the CPU."""
+    bf16 = (True, "bfloat16", "bf16", True)
+    for precision, expected in (("auto", bf16 if cpu_has_native_bf16() else None), ("float32", None),
+                                ("bfloat16", bf16)):
+        cfg = load_config("configs/demo.yaml", ["model.device=cpu", f"demo.precision={precision}"])
+        before = (cfg.sft.bf16, cfg.rollout.dtype, cfg.train.mixed_precision, cfg.train.recompute_old_logprobs)
+        apply_precision(cfg)
+        now = (cfg.sft.bf16, cfg.rollout.dtype, cfg.train.mixed_precision, cfg.train.recompute_old_logprobs)
+        assert now == (expected or before), precision
+        cfg.check_training()  # bf16 rollouts come with the trainer's own old log-probs
+    with pytest.raises(MemexError, match="demo.precision must be auto, bfloat16 or float32"):
+        load_config("configs/demo.yaml", ["demo.precision=fp8"])
 
 
 def test_missing_data_stops_before_anything_runs(tmp_path):

@@ -245,3 +245,40 @@ def test_a_bf16_engine_generates_from_its_copy_and_follows_every_sync(smol_polic
     finally:
         with torch.no_grad():
             head.copy_(original)
+
+
+def test_a_lora_policys_rollout_copy_merges_the_adapters_and_follows_every_sync(smol_policy):
+    """A LoRA policy generating in another dtype: the engine's copy is a plain model whose weights are W + s B A
+    (no adapter modules to run per token), computes what the adapter model computes, and follows the trained
+    adapter at each sync_weights."""
+    from peft import get_peft_model
+
+    from modeling.lora import lora_config
+
+    model, tokenizer = smol_policy
+    policy = get_peft_model(copy.deepcopy(model), lora_config(model, 8, 16, 0.0, "auto"))
+    torch.manual_seed(0)
+
+    def train_adapter():  # stand-in for an optimizer step: every lora_B leaves zero
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn_like(p) * 0.02)
+
+    train_adapter()
+    engine = TransformersEngine(policy, tokenizer, temperature=0, batch_size=2, dtype=torch.float64)
+    assert not any("lora" in name for name, _ in engine.model.named_parameters())
+    ids = torch.tensor([tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]])
+
+    def same_function():
+        with torch.no_grad():
+            want = policy(input_ids=ids).logits.double()
+            got = engine.model(input_ids=ids).logits
+        return torch.allclose(got, want, atol=2e-3, rtol=0)
+
+    assert same_function()
+    train_adapter()  # the copy is stale until the sync
+    assert not same_function()
+    engine.sync_weights(policy)
+    assert same_function()
+    assert engine.model.get_output_embeddings().weight.dtype == torch.float64  # the engine's dtype, not the policy's
