@@ -19,9 +19,9 @@ CPU with AVX-512 BF16 while the trainer updates float32 weights (measured in `me
 rollout`). `sync_weights` copies the trained weights into it after each update; the trainer's
 recomputed log-probs and the TIS ratio correct for the engine's rounding, as they do for vLLM's.
 A LoRA policy's copy is a plain model with each adapter merged into its base weight (W + s B A,
-recomputed at every sync), as vLLM serves merged weights: a decode step of SmolLM2 at batch 4 and
-2,000 tokens of context takes ~70 ms merged against ~91 ms through PEFT's unmerged adapters
-(bfloat16, 2 cores with AMX; docs/benchmarks.md). A bfloat16 copy on a CPU with native bfloat16
+recomputed at every sync) instead of running PEFT's adapter modules at every token: the demo's GRPO
+rollouts took 113 s against 148 s on the same tokens (bfloat16, 2 cores with AMX; docs/benchmarks.md
+"`make demo`'s levers", and the `bf16 lora` rows of `memexrl bench rollout`). A bfloat16 copy on a CPU with native bfloat16
 computes its linears from weights prepacked for oneDNN (rollout/packed_linear.py), repacked at
 every sync.
 """

@@ -2,12 +2,14 @@
 
 `F.linear` in bfloat16 on a CPU with native bfloat16 (AVX-512 BF16 or AMX) hands oneDNN a plain
 row-major weight, which it reorders into its blocked layout at every call. Decoding runs each
-linear at a few rows (the batch) per token, so that reorder is most of the call: a 1536 x 576
-linear at 4 rows streams its weight at ~12.6 GB/s through `F.linear` and at ~19.9 GB/s from a
-weight reordered once (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`, the
-path inductor's weight-prepacking pass takes); the outputs are bit-identical (2 cores with AMX,
-docs/benchmarks.md "Rollout engines"). The engine's copy is frozen between syncs, so the weights
-are packed when the copy is made and again at every `sync_weights` (`repack`).
+linear at a few rows (the batch) per token, so that reorder is a large part of the call; a weight
+reordered once (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`, the path
+inductor's weight-prepacking pass takes) gives the same outputs for every shape tested
+(tests/test_packed_linear.py; yet within the demo's whole rollouts the sampled tokens' log-probs
+differed from the unpacked copy's by up to ~0.3 nats, bfloat16-sized rounding whose op was not
+found: docs/results.md section 5) and decodes faster (`memexrl bench rollout`, rows `bfloat16` and
+`bf16 unpacked`; docs/benchmarks.md "`make demo`'s levers"). The engine's copy is frozen between
+syncs, so the weights are packed when the copy is made and again at every `sync_weights` (`repack`).
 
 The packed weight is a second copy of each linear's weight (the plain one stays: tied embeddings
 and the weight sync read it): ~270 MB more for SmolLM2-135M. The trained module is never packed.
