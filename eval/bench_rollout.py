@@ -30,11 +30,13 @@ from rollout.runner import RolloutTimes, make_renderer, open_envs, run_episodes
 
 
 def _play(games: list[Path], cfg: Config, model, tokenizer, *, reuse_cache: bool = True, pool: bool = False,
-          preallocate: bool = True, dtype: torch.dtype | None = None, engine=None) -> dict:
+          preallocate: bool = True, dtype: torch.dtype | None = None, engine=None, policy=None,
+          **engine_options) -> dict:
+    """Play `games` with the transformers engine of `policy` (default `model`), or with `engine`."""
     engine = engine or TransformersEngine(
-        model, tokenizer, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-        batch_size=cfg.rollout.batch_size, seed=cfg.seed, reuse_cache=reuse_cache, preallocate_cache=preallocate,
-        dtype=dtype,
+        policy or model, tokenizer, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k, batch_size=cfg.rollout.batch_size, seed=cfg.seed, reuse_cache=reuse_cache,
+        preallocate_cache=preallocate, dtype=dtype, **engine_options,
     )
     times = RolloutTimes()
     jobs = [(f"g{i}", str(g)) for i, g in enumerate(games)]
@@ -143,14 +145,11 @@ def engine_dtypes(games: list[Path], cfg: Config, model, tokenizer, vllm_python:
             run = _vllm_server_run(games, cfg, model, tokenizer, vllm_python, str(dtype).removeprefix("torch."),
                                    server_env)
         elif name != "float32":  # bf16 copies: packed linears or not; a LoRA policy's adapters run by PEFT or merged
-            engine = TransformersEngine(
-                with_lora(model, cfg.train.lora_r, cfg.train.lora_alpha) if "lora" in name else model, tokenizer,
-                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                batch_size=cfg.rollout.batch_size, seed=cfg.seed, dtype=dtype, merge_lora="peft" not in name,
-                pack_weights="unpacked" not in name)
-            run = _play(games, cfg, model, tokenizer, engine=engine)
+            policy = with_lora(model, cfg.train.lora_r, cfg.train.lora_alpha) if "lora" in name else model
+            run = _play(games, cfg, model, tokenizer, dtype=dtype, policy=policy, merge_lora="peft" not in name,
+                        pack_weights="unpacked" not in name)
         else:
-            run = _play(games, cfg, model, tokenizer, dtype=dtype if dtype != torch.float32 else None)
+            run = _play(games, cfg, model, tokenizer)
         rate = run["generated_tokens"] / run["times"].engine_s
         peak = matmul_flops(dtype)
         out[name] = {"engine_s": run["times"].engine_s, "generated_tokens": run["generated_tokens"],
