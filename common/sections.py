@@ -462,7 +462,7 @@ class DemoSection:
     precision: str = _help(
         "What the stages compute in: 'auto' (bfloat16 on a GPU and on a CPU with native bfloat16, AVX-512 BF16 or "
         "AMX; float32 elsewhere), 'bfloat16' or 'float32'. bfloat16 sets sft.bf16, rollout.dtype=bfloat16, "
-        "train.mixed_precision=bf16 and train.recompute_old_logprobs (memexrl/demo.py precision_overrides).",
+        "train.mixed_precision=bf16 and train.recompute_old_logprobs (memexrl/demo.py apply_precision).",
         "auto")
     expert_split: str = _help("Split of the expert's demonstration games.", "train")
     expert_games: int = _help("Games the Memex expert plays (its wins are the SFT demonstrations).", 16)
