@@ -106,6 +106,7 @@ class Config:
             (self.demo.expert_games > 0 and self.demo.eval_games > 0, "demo.expert_games and demo.eval_games must be > 0"),
             (self.demo.eval_max_steps >= 0, "demo.eval_max_steps must be >= 0 (0 = env.max_steps)"),
             (self.demo.precision in ("auto", "bfloat16", "float32"), "demo.precision must be auto, bfloat16 or float32"),
+            (self.sft.output_head in ("auto", "fused", "plain"), "sft.output_head must be auto, fused or plain"),
             (self.expert.max_turn_tokens >= 0, "expert.max_turn_tokens must be >= 0 (0 = rollout.max_new_tokens)"),
             (self.expert.seen_evidence in ("anchor", "facts"), "expert.seen_evidence must be 'anchor' or 'facts'"),
             (self.expert.reading_archive in ("evidence", "pages"),

@@ -274,6 +274,10 @@ class SFTSection:
     bf16: bool = _help(
         "bfloat16 mixed precision (autocast): GPUs, and CPUs with native bfloat16 (AVX-512 BF16 or AMX: ~1.4x "
         "faster than float32 there; elsewhere an error, the CPU then trains in float32).", False)
+    output_head: str = _help(
+        "The loss's output layer: 'fused' (TRL's: tiles, no full logits; Triton kernels on a GPU), 'plain' (the "
+        "model's own, full logits: 1.2-1.5x an SFT step on a CPU, where TRL's tiles are torch ops; "
+        "sft/output_head.py) or 'auto' (plain on a CPU, fused elsewhere).", "auto")
     deepspeed: str = _help("DeepSpeed JSON config path for multi-GPU runs (configs/deepspeed/).", "")
     wandb: bool = _help("Log to wandb (offline in RUN/wandb unless you are logged in).", True)
     check_games: int = _help("Held-out games for the post-SFT check, task types in turn (0 skips it).", 4)

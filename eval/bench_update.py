@@ -4,11 +4,13 @@ One micro-batch of `train.micro_batch_size` segments of `--segment-tokens` token
 quarter prompt, the rest trained) goes through `training/update.py`'s `update_policy` (log-probs
 and entropy, the GRPO loss with KL and TIS, backward, clipping, an AdamW step), `--bench-steps`
 times, with the config's policy (train.finetune, LoRA in configs/tiny-cpu.yaml; the base model, no
-SFT checkpoint needed). Three variants, each in a fresh
+SFT checkpoint needed). Four variants (five with bfloat16), each in a fresh
 process so that each starts from an untouched allocator:
 
 - before: glibc's adaptive mmap threshold, the whole output layer at once (`head_chunk_size 0`);
-- malloc: the threshold fixed at 1 MiB (common/malloc.py), the whole output layer;
+- malloc 1 MiB: the threshold fixed at 1 MiB (common/malloc.py's first setting: the least memory, every
+  activation a fresh mapping), the whole output layer;
+- malloc: the threshold fixed at common/malloc.py's 16 MiB, the whole output layer;
 - both: the threshold fixed and the output layer in slices of `train.head_chunk_size` positions
   (`batching.sequence_logprobs`): what `memexrl train` runs;
 - both bf16: the same under `train.mixed_precision=bf16` (accelerate's bfloat16 autocast of the forward), on a CPU
@@ -31,11 +33,15 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-VARIANTS = {  # name: (fix glibc's threshold, head_chunk_size from the config or 0, accelerate mixed precision)
-    "before": (False, False, "no"),
-    "malloc": (True, False, "no"),
-    "both": (True, True, "no"),
-    "both bf16": (True, True, "bf16"),  # only on a CPU with native bfloat16 (bench_update skips it elsewhere)
+from common.malloc import MMAP_THRESHOLD_BYTES
+
+VARIANTS = {  # name: (glibc's fixed threshold in bytes or 0 (adaptive), head_chunk_size from the config or 0,
+    # accelerate mixed precision)
+    "before": (0, False, "no"),
+    "malloc 1 MiB": (1 << 20, False, "no"),
+    "malloc": (MMAP_THRESHOLD_BYTES, False, "no"),
+    "both": (MMAP_THRESHOLD_BYTES, True, "no"),
+    "both bf16": (MMAP_THRESHOLD_BYTES, True, "bf16"),  # only on a CPU with native bfloat16 (bench_update skips it elsewhere)
 }
 
 
@@ -57,7 +63,7 @@ def child(spec: dict) -> dict:
     from common.malloc import return_freed_memory
 
     if spec["fix_malloc"]:
-        return_freed_memory()  # before torch allocates anything, as `memexrl` does
+        return_freed_memory(spec["fix_malloc"])  # before torch allocates anything, as `memexrl` does
     import torch
     from accelerate import Accelerator
 
@@ -130,5 +136,6 @@ def format_bench_update(runs: list[UpdateRun], tokens: int, batch: int) -> str:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="one variant of `memexrl bench update` (run by it)")
-    parser.add_argument("spec", help="JSON: config, overrides, tokens, steps, fix_malloc, chunk_head, mixed_precision")
+    parser.add_argument("spec", help="JSON: config, overrides, tokens, steps, fix_malloc (a threshold in bytes or 0), "
+                        "chunk_head, mixed_precision")
     print(json.dumps(child(json.loads(parser.parse_args().spec))))

@@ -2,7 +2,8 @@
 
 Assistant-only loss on the segments of successful Memex demonstrations (sft/dataset.py),
 LoRA through PEFT or full fine-tuning, packing off. Runs on the CPU (`use_cpu`; float32, or bfloat16
-autocast with `sft.bf16` where the CPU has native bfloat16) and,
+autocast with `sft.bf16` where the CPU has native bfloat16; the loss through the model's own output layer,
+`sft.output_head`, sft/output_head.py) and,
 unchanged, on GPUs under `accelerate launch` / DeepSpeed (`sft.deepspeed`). Writes the run
 directory of design.md: config.yaml (resolved), metrics.jsonl, checkpoints/step-N (adapter or
 full model in HF format, written to a temp dir and renamed), wandb/ (offline unless logged in).
@@ -31,6 +32,7 @@ from common.seeding import seed_everything
 from modeling.load import cpu_has_native_bf16, load_policy, resolve_device
 from modeling.lora import lora_config
 from sft.dataset import build_dataset
+from sft.output_head import plain_head_trainer, use_plain_head
 from training.log import import_wandb
 from training.state import STATE_FILE, publish, staging_dir, trim_metrics
 
@@ -155,9 +157,10 @@ def run_sft(cfg: Config, resume: bool = False) -> Path:
         dataloader_num_workers=0,
         disable_tqdm=False,
     )
+    trainer_class = plain_head_trainer(SFTTrainer) if use_plain_head(s.output_head, model.device) else SFTTrainer
     with stop_at_step_end() as stop_request:
         callbacks = _callbacks(run_dir, s.save_steps, tokenizer, stop_request)
-        trainer = SFTTrainer(
+        trainer = trainer_class(
             model=model,
             args=args,
             train_dataset=data["train"].select_columns(list(TRAIN_COLUMNS)),

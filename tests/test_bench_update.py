@@ -1,4 +1,4 @@
-"""`memexrl bench update` end to end on the tiny random MoE: three variants (four on a CPU with native bfloat16),
+"""`memexrl bench update` end to end on the tiny random MoE: four variants (five on a CPU with native bfloat16),
 each in its own process."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def test_bench_update_reports_every_variant(capsys):
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "GB" not in line]
     from modeling.load import cpu_has_native_bf16
 
-    assert [r[0].strip() for r in rows] == ["before", "malloc", "both"] + ["both bf16"] * cpu_has_native_bf16()
+    assert [r[0].strip() for r in rows] == ["before", "malloc 1 MiB", "malloc", "both"] + ["both bf16"] * cpu_has_native_bf16()
     assert "2 x 48 tokens" in out  # tiny-cpu's micro-batch of 2 segments
     assert rows[0][4].strip() == "1.00x" and rows[0][5].strip() == "1.00x"
     for r in rows:

@@ -127,6 +127,33 @@ def test_tiny_sft_run_end_to_end(demos_file, tmp_path, alfworld_data):
 
 
 @pytest.mark.slow
+def test_the_plain_output_head_trains_as_trls_fused_one(demos_file, tmp_path, alfworld_data):
+    """sft.output_head=plain (the CPU's default) logs the same losses, entropy, token accuracy and token counts as
+    TRL's fused output layer, step for step and on the validation set: step 2's loss and the validation loss are
+    those of the weights step 1's gradients moved (at a learning rate that moves the loss)."""
+    from sft.train import run_sft
+
+    path, _, _ = demos_file
+    runs = {}
+    for head in ("fused", "plain"):
+        cfg = load_config(None, [
+            f"env.data_dir={alfworld_data}", "model.device=cpu", f"sft.demos={path}", f"sft.output_dir={tmp_path / head}",
+            "sft.max_steps=2", "sft.logging_steps=1", "sft.max_length=1200", "sft.validation_fraction=0.25",
+            "sft.wandb=false", "sft.save_steps=10", "sft.learning_rate=1e-3", "sft.warmup_ratio=0",
+            "sft.gradient_accumulation_steps=1", f"sft.output_head={head}",
+        ])
+        run_sft(cfg)
+        runs[head] = [json.loads(line) for line in (tmp_path / head / "metrics.jsonl").read_text().splitlines()]
+    fused, plain = runs["fused"], runs["plain"]
+    assert fused[1]["loss"] < fused[0]["loss"] - 0.05  # the first step moved the weights
+    keys = ("loss", "entropy", "mean_token_accuracy", "num_tokens", "eval_loss", "eval_entropy", "eval_mean_token_accuracy")
+    logged = [(f[k], p[k]) for f, p in zip(fused, plain, strict=True) for k in keys if k in f]
+    assert len(logged) >= 8
+    for a, b in logged:
+        assert a == pytest.approx(b, rel=2e-3, abs=1e-4)
+
+
+@pytest.mark.slow
 def test_an_interrupted_sft_run_resumes_to_the_uninterrupted_weights(demos_file, tmp_path, alfworld_data, monkeypatch):
     """`memexrl sft --resume` (the CPU memory run's SFT, in parts): a run that gets a SIGTERM (a preemption
     notice, or `kill -TERM` at the end of a session) during step 1 finishes that step, writes both checkpoints
