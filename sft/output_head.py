@@ -50,7 +50,7 @@ def plain_head_trainer(sft_trainer_class: type) -> type:
             outputs = model(**{**inputs, "use_cache": False}, num_items_in_batch=num_items_in_batch)
             loss = outputs.loss
             if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-                loss = loss * self.accelerator.num_processes  # as TRL's: DDP averages over ranks
+                loss = loss * (self.accelerator.num_processes // self.get_tp_size())  # as TRL's: DDP averages ranks
             valid, entropy, correct = (self.accelerator.gather_for_metrics(x).sum()
                                        for x in label_statistics(outputs.logits, inputs["labels"]))
             metrics = self._metrics[mode]
@@ -58,7 +58,7 @@ def plain_head_trainer(sft_trainer_class: type) -> type:
             metrics["mean_token_accuracy"].append((correct / valid).item() if valid > 0 else 0.0)
             if mode == "train":
                 tokens = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
-                self._total_train_tokens += tokens // getattr(self, "_tp_size", 1)
+                self._total_train_tokens += tokens // self._tp_size
             metrics["num_tokens"] = [self._total_train_tokens]
             return (loss, outputs) if return_outputs else loss
 
