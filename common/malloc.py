@@ -14,7 +14,7 @@ is what OOM-killed `make demo`'s second GRPO step on a 24 GB machine.
 larger tensor gets its own mapping, returned to the system when freed; smaller ones come from the heap.
 The price of a mapping is page faults: the kernel maps and zeroes every page of a fresh one, at every
 allocation. At 1 MiB (the first setting) nearly every activation paid it: a third of the GRPO update's
-and SFT's time went to the system (docs/benchmarks.md, "glibc's mmap threshold"). At 16 MiB the
+and SFT's time went to the system (docs/benchmarks.md, "Two CPU levers under every phase"). At 16 MiB the
 activations of a ~2,000-token segment of a small model (a few MiB each) are reused from the heap, and the
 large ones (the output layer's logits, the big micro-batches') still go back; measured on an AMD EPYC
 with AVX-512 BF16: the update 1.29x faster over 10 steps of random segment lengths for a peak RSS of

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from training import grpo
+
 
 def use_plain_head(choice: str, device: torch.device) -> bool:
     """sft.output_head resolved: 'auto' is the model's own output layer on a CPU, TRL's fused one elsewhere."""
@@ -33,11 +35,9 @@ def label_statistics(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
     with torch.no_grad():
         targets = labels[:, 1:]
         mask = targets != -100
-        picked = logits[:, :-1][mask].float()  # (n, V)
-        log_z = picked.logsumexp(-1)
-        entropy = log_z - (picked.softmax(-1) * picked).sum(-1)
-        correct = picked.argmax(-1) == targets[mask]
-        return mask.sum(), entropy.sum(), correct.sum()
+        logp_all = logits[:, :-1][mask].float().log_softmax(-1)  # (n, V)
+        correct = logp_all.argmax(-1) == targets[mask]
+        return mask.sum(), grpo.entropy(logp_all).sum(), correct.sum()
 
 
 def plain_head_trainer(sft_trainer_class: type) -> type:
